@@ -1,0 +1,14 @@
+"""lnfuse: verified normalization fusion for ONNX models.
+
+>>> import lnfuse
+>>> result = lnfuse.fuse("model.onnx")          # or an onnx.ModelProto
+>>> print(result.report.summary())
+>>> result.save("model.fused.onnx")
+"""
+
+from lnfuse.api import FuseResult, fuse
+from lnfuse.errors import InputError, LnfuseError, OutputError, UsageError
+from lnfuse.report import Report
+
+__all__ = ["fuse", "FuseResult", "Report", "LnfuseError", "InputError", "OutputError", "UsageError"]
+__version__ = "0.1.0"

@@ -1,0 +1,139 @@
+"""The Python API: ``fuse`` a model (a path or an ``onnx.ModelProto``) and get the fused model and a report."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from lnfuse import io
+from lnfuse.engine import Options, fuse_model
+from lnfuse.errors import UsageError
+from lnfuse.report import Report
+from lnfuse.rule import ORT_ONLY_OPS_NOTE, Rule
+from lnfuse.rules import all_rules
+from lnfuse.whole_model import compare_models
+
+TARGETS = ("ort", "onnx")
+
+
+@dataclass
+class FuseResult:
+    """The fused model (``model`` as an ``onnx.ModelProto``, ``ir_model`` as onnx_ir) and what was done."""
+
+    ir_model: ir.Model
+    report: Report
+    has_external_data: bool = False
+    source_path: Path | None = None
+
+    @property
+    def model(self) -> onnx.ModelProto:
+        return ir.serde.serialize_model(self.ir_model)
+
+    def save(self, path: str | os.PathLike, *, in_place: bool = False) -> None:
+        """Write atomically; external data stays external (in ``<path>.data``)."""
+        io.save(self.ir_model, path, external_data=self.has_external_data, input_path=self.source_path,
+                in_place=in_place)
+
+
+def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None = None) -> tuple[Rule, ...]:
+    rules = all_rules()
+    known = {r.name for r in rules}
+    for name in list(only or []) + list(skip or []):
+        if name not in known:
+            raise UsageError(f"unknown rule '{name}'; known rules: {', '.join(sorted(known))}")
+    if only:
+        rules = tuple(r for r in rules if r.name in set(only))
+    return tuple(r for r in rules if r.name not in set(skip or []))
+
+
+def fuse(model: str | os.PathLike | onnx.ModelProto, *, target: str = "ort", verify: bool = True,
+         only: Iterable[str] | None = None, skip: Iterable[str] | None = None, upgrade_opset: bool = False,
+         verify_model: bool = False, inputs: dict[str, np.ndarray] | None = None) -> FuseResult:
+    """Fuse normalization subgraphs into single ops; every rewrite is verified in ONNX Runtime unless
+    ``verify=False``. The input (file or proto) is never modified.
+
+    Example, right after exporting::
+
+        torch.onnx.export(model, args, "model.onnx", opset_version=17)
+        result = lnfuse.fuse("model.onnx")
+        print(result.report.summary())
+        result.save("model.fused.onnx")
+
+    ``target="onnx"`` writes only standard ONNX ops; ``upgrade_opset=True`` then converts an older model to the
+    opset the fused ops need, kept only if the whole upgraded model still computes the same outputs.
+    ``verify_model=True`` also runs the whole original and fused models (on ``inputs`` or random data).
+    """
+    if target not in TARGETS:
+        raise UsageError(f"unknown target '{target}'; use one of {', '.join(TARGETS)}")
+    start = time.perf_counter()
+    options = Options(target=target, verify=verify, rules=select_rules(only, skip))
+    loaded = io.load(model)
+    source = str(loaded.path) if loaded.path is not None else "<model>"
+    original = ir.serde.serialize_model(loaded.model) if (verify_model or upgrade_opset) else None
+    report = _run(loaded, options, source)
+    if upgrade_opset and target == "onnx" and any(u.check == "opset" for u in report.unfused):
+        loaded, report = _upgraded(loaded, options, source, report, original, inputs)
+    if verify_model:
+        report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
+                                            base_dir=loaded.path.parent if loaded.path else None)
+    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+    report.seconds = time.perf_counter() - start
+    return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path)
+
+
+def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
+    report = Report(source=source, target=options.target, verified=options.verify)
+    report.ops_before = _op_counts(loaded.model)
+    if loaded.shape_inference_error:
+        report.notes.append(f"shape inference failed ({loaded.shape_inference_error}); checks that need shapes "
+                            "refuse where shapes are unknown")
+    fuse_model(loaded.model, options, report)
+    report.ops_after = _op_counts(loaded.model)
+    if report.ort_only:
+        report.notes.append(f"the output {ORT_ONLY_OPS_NOTE}; use --target onnx for standard ops only")
+    opset_refusals = [u for u in report.unfused if u.check == "opset"]
+    if opset_refusals:
+        report.notes.append(f"{len(opset_refusals)} candidate(s) need a newer opset: rerun with --upgrade-opset "
+                            "(or --target ort)")
+    return report
+
+
+def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, original: onnx.ModelProto,
+              inputs) -> tuple[io.Loaded, Report]:
+    """Convert to the opset the refused ops need; keep the result only if the whole model still agrees."""
+    needed = 23 if any(u.rule == "rms_norm" and u.check == "opset" for u in report.unfused) else 17
+    try:
+        converted = onnx.version_converter.convert_version(original, needed)
+        upgraded = io.load(converted)
+    except Exception as error:  # noqa: BLE001 - the converter raises many types; the report says why
+        report.notes.append(f"--upgrade-opset: onnx's version converter could not reach opset {needed} "
+                            f"({str(error).splitlines()[0][:200]}); the model keeps its opset")
+        return loaded, report
+    upgraded.declared_value_info = loaded.declared_value_info
+    upgraded_report = _run(upgraded, options, source)
+    check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs)
+    if not check["ok"]:
+        report.notes.append(f"--upgrade-opset: the model upgraded to opset {needed} no longer agrees with the "
+                            f"original ({check['summary']}); kept the original opset")
+        return loaded, report
+    upgraded_report.notes.append(f"upgraded from opset {loaded.model.opset_imports.get('')} to {needed} with "
+                                 f"onnx's version converter; whole model verified ({check['summary']})")
+    return upgraded, upgraded_report
+
+
+def _op_counts(model: ir.Model) -> dict[str, int]:
+    counts: Counter[str] = Counter()
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        counts[node.op_type] += 1
+    for function in model.functions.values():
+        for node in ir.traversal.RecursiveGraphIterator(function):
+            counts[node.op_type] += 1
+    return dict(counts)

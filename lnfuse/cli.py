@@ -1,0 +1,101 @@
+"""The ``lnfuse`` command.
+
+    lnfuse model.onnx -o fused.onnx [options]     fuse (the default command)
+    lnfuse explain model.onnx                     every candidate, fused or not, and why
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from lnfuse.api import TARGETS, fuse
+from lnfuse.errors import LnfuseError, UsageError
+
+COMMANDS = ("fuse", "explain")
+
+
+def _rules(text: str | None) -> list[str] | None:
+    return [r.strip() for r in text.split(",") if r.strip()] if text else None
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="input .onnx file (never modified)")
+    parser.add_argument("--target", choices=TARGETS, default="ort",
+                        help="ort (default): may write ONNX Runtime's fused ops; onnx: standard ONNX ops only")
+    parser.add_argument("--no-verify", action="store_true", help="skip the per-rewrite check in ONNX Runtime")
+    parser.add_argument("--only", metavar="RULE[,RULE]", help="run only these rules")
+    parser.add_argument("--skip", metavar="RULE[,RULE]", help="do not run these rules")
+    parser.add_argument("--upgrade-opset", action="store_true",
+                        help="with --target onnx: convert the model to the opset the fused ops need (kept only if "
+                             "the whole model still verifies)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"lnfuse{'' if command == 'fuse' else ' ' + command}",
+                                     description="Verified normalization fusion for ONNX models.")
+    _common(parser)
+    if command == "fuse":
+        parser.add_argument("-o", "--output", required=True, help="where to write the fused model")
+        parser.add_argument("--report", metavar="FILE", help="also write the report as JSON")
+        parser.add_argument("--verify", choices=("model",), help="'model': also run the whole original and fused "
+                            "models and report the worst difference per output")
+        parser.add_argument("--inputs", metavar="FILE.npz", help="inputs for --verify model (default: random)")
+        parser.add_argument("--in-place", action="store_true", help="allow the output to be the input file")
+        parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+        parser.add_argument("-v", "--verbose", action="store_true", help="list every fused and unfused candidate")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "fuse"
+    if command == "fuse" and argv and argv[0] in ("-h", "--help") and len(argv) == 1:
+        print(__doc__.strip())
+    args = _parser(command).parse_args(argv)
+    try:
+        return _run(command, args)
+    except LnfuseError as error:
+        print(f"lnfuse: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print("lnfuse: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _run(command: str, args: argparse.Namespace) -> int:
+    inputs = None
+    if getattr(args, "inputs", None):
+        try:
+            inputs = dict(np.load(args.inputs))
+        except (OSError, ValueError) as error:
+            raise UsageError(f"{args.inputs}: cannot read inputs ({error}); give an .npz of input name -> array")\
+                from None
+    result = fuse(args.model, target=args.target, verify=not args.no_verify, only=_rules(args.only),
+                  skip=_rules(args.skip), upgrade_opset=args.upgrade_opset,
+                  verify_model=getattr(args, "verify", None) == "model", inputs=inputs)
+    report = result.report
+    if command == "explain":
+        print(report.to_json() if args.json else report.explain())
+        return 0
+    result.save(args.output, in_place=args.in_place)
+    if args.report:
+        Path(args.report).write_text(report.to_json())
+    if args.json:
+        print(report.to_json())
+    elif not args.quiet:
+        print(report.summary(verbose=args.verbose))
+        print(f"  wrote {args.output}")
+    if report.model_check is not None and not report.model_check["ok"]:
+        print(f"lnfuse: error: the fused model differs from the original: {report.model_check['summary']}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

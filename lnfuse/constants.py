@@ -1,0 +1,153 @@
+"""Values known before the model runs: initializers, Constant nodes, and small computations on them.
+
+Exporters rarely write epsilon or reduction axes as a plain initializer: the ONNX function bodies write
+``Cast(Constant)`` for epsilon and ``Range(axis, Size(Shape(X)))`` for the axes. Folding those few ops here lets a
+rule read the number it needs without running the model. Large initializers are never read by ``is_static``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+_MAX_DEPTH = 8
+_FOLDABLE = frozenset(
+    {"Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Range", "Concat", "Gather", "Slice", "Add", "Sub",
+     "Mul", "Div", "Neg", "ConstantOfShape", "Shape", "Size", "Flatten", "Expand", "Sqrt", "Reciprocal"}
+)
+
+
+def _is_onnx(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx")
+
+
+def is_static(value: ir.Value, depth: int = 0) -> bool:
+    """True when the value is fixed at build time. Reads no tensor data."""
+    if value is None or value.is_graph_input():
+        return False
+    node = value.producer()
+    if node is None:
+        return value.const_value is not None
+    if not _is_onnx(node) or depth > _MAX_DEPTH:
+        return False
+    if node.op_type == "Constant":
+        return len(node.attributes) == 1 and not next(iter(node.attributes.values())).is_ref()
+    if node.op_type in ("Shape", "Size"):
+        # Size(Shape(x)) is the rank: Shape's output has a static shape even when x's dims are symbolic
+        shape = node.inputs[0].shape
+        return shape is not None and shape.is_static()
+    if node.op_type not in _FOLDABLE:
+        return False
+    return all(v is None or is_static(v, depth + 1) for v in node.inputs)
+
+
+def static_value(value: ir.Value | None) -> np.ndarray | None:
+    """The value's numbers if ``is_static`` holds, else None."""
+    if value is None or not is_static(value):
+        return None
+    try:
+        return _evaluate(value)
+    except (ValueError, TypeError, IndexError, KeyError):
+        return None
+
+
+def _attr(node: ir.Node, name: str, default=None):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _evaluate(value: ir.Value) -> np.ndarray:
+    node = value.producer()
+    if node is None:
+        return np.asarray(value.const_value.numpy())
+    op = node.op_type
+    if op == "Constant":
+        tensor = ir.convenience.get_const_tensor(value)
+        if tensor is None:
+            raise ValueError("unsupported Constant")
+        return np.asarray(tensor.numpy())
+    if op == "Shape":
+        dims = [int(d) for d in node.inputs[0].shape]
+        start, end = _attr(node, "start", 0), _attr(node, "end", None)
+        return np.array(dims[start:end], dtype=np.int64)
+    if op == "Size":
+        return np.array(int(np.prod([int(d) for d in node.inputs[0].shape])), dtype=np.int64)
+    args = [None if v is None else _evaluate(v) for v in node.inputs]
+    return _FOLD[op](node, args)
+
+
+def _axes(node: ir.Node, args: list) -> list[int]:
+    axes = _attr(node, "axes")
+    if axes is None and len(args) > 1 and args[1] is not None:
+        axes = args[1].tolist()
+    return list(axes) if axes is not None else []
+
+
+def _unsqueeze(node, args):
+    out = args[0]
+    rank = out.ndim + len(_axes(node, args))
+    for axis in sorted(a % rank for a in _axes(node, args)):
+        out = np.expand_dims(out, axis)
+    return out
+
+
+def _squeeze(node, args):
+    axes = _axes(node, args)
+    return np.squeeze(args[0], axis=tuple(axes) if axes else None)
+
+
+def _slice(node, args):
+    data = args[0]
+    starts = _attr(node, "starts") or args[1].tolist()
+    ends = _attr(node, "ends") or args[2].tolist()
+    axes = _attr(node, "axes") or (args[3].tolist() if len(args) > 3 and args[3] is not None else
+                                   list(range(len(starts))))
+    steps = args[4].tolist() if len(args) > 4 and args[4] is not None else [1] * len(starts)
+    index = [slice(None)] * data.ndim
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        index[a] = slice(s, e, st)
+    return data[tuple(index)]
+
+
+def _cast(node, args):
+    return args[0].astype(ir.DataType(_attr(node, "to")).numpy())
+
+
+def _reshape(node, args):
+    shape = [d if d != 0 else args[0].shape[i] for i, d in enumerate(args[1].tolist())]
+    return args[0].reshape(shape)
+
+
+def _constant_of_shape(node, args):
+    fill = _attr(node, "value")
+    fill_value = fill.numpy().reshape(-1)[0] if fill is not None else np.float32(0)
+    return np.full(args[0].tolist(), fill_value, dtype=np.asarray(fill_value).dtype)
+
+
+def _flatten(node, args):
+    axis = _attr(node, "axis", 1) % max(args[0].ndim, 1) if args[0].ndim else 0
+    outer = int(np.prod(args[0].shape[:axis]))
+    return args[0].reshape(outer, -1)
+
+
+_FOLD = {
+    "Cast": _cast,
+    "Identity": lambda n, a: a[0],
+    "Reshape": _reshape,
+    "Unsqueeze": _unsqueeze,
+    "Squeeze": _squeeze,
+    "Range": lambda n, a: np.arange(a[0], a[1], a[2]).astype(a[0].dtype),
+    "Concat": lambda n, a: np.concatenate([x for x in a if x is not None], axis=_attr(n, "axis")),
+    "Gather": lambda n, a: np.take(a[0], a[1], axis=_attr(n, "axis", 0)),
+    "Slice": _slice,
+    "Add": lambda n, a: a[0] + a[1],
+    "Sub": lambda n, a: a[0] - a[1],
+    "Mul": lambda n, a: a[0] * a[1],
+    "Div": lambda n, a: (a[0] // a[1]) if a[0].dtype.kind in "iu" else a[0] / a[1],
+    "Neg": lambda n, a: -a[0],
+    "Sqrt": lambda n, a: np.sqrt(a[0]),
+    "Reciprocal": lambda n, a: 1 / a[0],
+    "ConstantOfShape": _constant_of_shape,
+    "Flatten": _flatten,
+    "Expand": lambda n, a: a[0] * np.ones(a[1].tolist(), dtype=a[0].dtype),
+}

@@ -1,0 +1,293 @@
+"""The fusion pass: for every graph (main, subgraphs, functions) and every rule: match -> check -> verify -> rewrite.
+
+The engine knows no op by name: rules say what they match and what they write; the engine enforces what is true of
+every rewrite (no deleted intermediate is read elsewhere, the numbers agree in ORT, names of graph outputs are kept,
+dead nodes are removed, opsets are declared).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import onnx_ir as ir
+
+from lnfuse.pattern import Match
+from lnfuse.report import Fused, Report, Unfused
+from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
+from lnfuse.verify import verify
+
+#: match attempts per root node; commuted operands make a few, a pathological graph must not make thousands
+_MAX_ATTEMPTS = 64
+
+
+@dataclass
+class Options:
+    target: str = "ort"
+    verify: bool = True
+    rules: tuple[Rule, ...] = ()
+
+
+@dataclass
+class Scope:
+    graph: ir.Graph | ir.Function
+    path: str
+    opset: int
+
+
+@dataclass
+class _Candidate:
+    rule: Rule
+    replacement: Replacement
+    anchors: list[ir.Node]
+
+
+@dataclass
+class _Pass:
+    """What one rule found in one graph."""
+
+    accepted: list[_Candidate] = field(default_factory=list)
+    refused: dict[ir.Node, tuple[Refusal, list[ir.Node]]] = field(default_factory=dict)
+
+
+def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
+    """Rewrite ``model`` in place and record what happened in ``report``."""
+    names = _all_names(model)
+    opsets_used: dict[str, int] = {}
+    for scope in scopes(model):
+        ctx = GraphContext(scope.graph, scope.opset, options.target, scope.path, names)
+        for rule in options.rules:
+            found = find(rule, ctx)
+            kept = _verified(found.accepted, model, scope, options, report, found)
+            for candidate in kept:
+                apply(scope.graph, candidate.replacement)
+                opsets_used.update(candidate.replacement.opset_imports)
+            _record_refusals(rule, scope, found, report)
+            if kept:
+                cleanup(scope.graph, kept)
+    for domain, version in opsets_used.items():
+        model.opset_imports.setdefault(domain, version)
+        for function in model.functions.values():
+            if any(n.domain == domain for n in function):
+                function.opset_imports.setdefault(domain, version)
+
+
+def scopes(model: ir.Model) -> Iterator[Scope]:
+    """Every graph lnfuse rewrites: the main graph, If/Loop/Scan bodies at any depth, and model-local functions."""
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+    yield from _with_subgraphs(model.graph, "main", opset)
+    for function in model.functions.values():
+        f_opset = function.opset_imports.get("", opset)
+        yield from _with_subgraphs(function, f"function {function.domain}::{function.name}", f_opset)
+
+
+def _with_subgraphs(graph: ir.Graph | ir.Function, path: str, opset: int) -> Iterator[Scope]:
+    yield Scope(graph, path, opset)
+    for node in list(graph):
+        for attr in node.attributes.values():
+            if attr.is_ref():
+                continue
+            subs = [attr.value] if attr.type == ir.AttributeType.GRAPH else \
+                list(attr.value) if attr.type == ir.AttributeType.GRAPHS else []
+            for sub in subs:
+                yield from _with_subgraphs(sub, f"{path}/{node.name or node.op_type}.{attr.name}", opset)
+
+
+def find(rule: Rule, ctx: GraphContext) -> _Pass:
+    """Greedy, outputs first: the first match found from the last node of a norm is its largest form."""
+    found = _Pass()
+    consumed: set[ir.Node] = set()
+    for node in reversed(list(ctx.graph)):
+        if node in consumed or not node.outputs:
+            continue
+        candidate = _first_valid(rule, ctx, node.outputs[0], consumed, found)
+        if candidate is not None:
+            found.accepted.append(candidate)
+            consumed.update(candidate.replacement.region)
+    for pattern, check, reason in rule.near_misses:
+        for node in ctx.graph:
+            for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match())):
+                for anchor in rule.anchor_nodes(m):
+                    if anchor not in consumed:
+                        found.refused.setdefault(anchor, (Refusal(check, reason), list(m.nodes)))
+    for candidate in found.accepted:
+        for anchor in candidate.anchors:
+            found.refused.pop(anchor, None)
+    return found
+
+
+def _limited(matches: Iterator[Match]) -> Iterator[Match]:
+    for i, m in enumerate(matches):
+        if i >= _MAX_ATTEMPTS:
+            return
+        yield m
+
+
+def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir.Node],
+                 found: _Pass) -> _Candidate | None:
+    for pattern in rule.patterns:
+        for m in _limited(pattern.match(root, Match())):
+            if consumed.intersection(m.nodes):
+                continue
+            anchors = list(rule.anchor_nodes(m))
+            try:
+                replacement = rule.build(m, ctx)
+                check_intermediates(replacement)
+            except Refusal as refusal:
+                for anchor in anchors:
+                    found.refused.setdefault(anchor, (refusal, list(m.nodes)))
+                continue
+            return _Candidate(rule, replacement, anchors)
+    return None
+
+
+def check_intermediates(rep: Replacement) -> None:
+    """Every value the rewrite deletes must be read only inside the region (or be replaced by a fused output)."""
+    region = set(rep.region)
+    for node in rep.region:
+        for value in node.outputs:
+            if value in rep.outputs:
+                continue
+            if value.is_graph_output():
+                raise Refusal("intermediate", f"'{value.name}' ({node.op_type}) is a graph output and the fused op "
+                              "cannot produce it")
+            for reader, _ in value.uses():
+                if reader not in region:
+                    raise Refusal("intermediate", f"'{value.name}' ({node.op_type}) is also read by "
+                                  f"{reader.op_type} '{reader.name}', and the fused op cannot expose it")
+
+
+def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, options: Options, report: Report,
+              found: _Pass) -> list[_Candidate]:
+    if not candidates:
+        return []
+    if not options.verify:
+        for c in candidates:
+            _record_fused(c, scope, None, report)
+        return candidates
+    opsets = {d: v for d, v in model.opset_imports.items()}
+    opsets[""] = scope.opset
+    for c in candidates:
+        for domain, version in c.replacement.opset_imports.items():
+            opsets.setdefault(domain, version)
+    outcomes = verify([c.replacement for c in candidates], opsets, model.ir_version)
+    kept = []
+    for c, outcome in zip(candidates, outcomes):
+        if outcome.ok:
+            kept.append(c)
+            _record_fused(c, scope, outcome.max_error, report)
+        else:
+            refusal = Refusal("verify", f"{c.replacement.op_type} rewrite not applied: {outcome.detail}")
+            for anchor in c.anchors:
+                found.refused[anchor] = (refusal, c.replacement.region)
+    return kept
+
+
+def _record_fused(c: _Candidate, scope: Scope, error: float | None, report: Report) -> None:
+    rep = c.replacement
+    report.fused.append(Fused(
+        rule=c.rule.name, op_type=rep.op_type, graph=scope.path, nodes=[n.name for n in rep.region],
+        attributes=rep.attributes, max_error=None if error is None or math.isnan(error) else error,
+        outputs=[old.name for old in rep.outputs]))
+    if rep.ort_only:
+        report.ort_only = True
+
+
+def _record_refusals(rule: Rule, scope: Scope, found: _Pass, report: Report) -> None:
+    for anchor, (refusal, nodes) in found.refused.items():
+        if anchor.graph is None:  # fused meanwhile by this pass
+            continue
+        report.unfused.append(Unfused(rule=rule.name, graph=scope.path, anchor=f"{anchor.op_type} '{anchor.name}'",
+                                      check=refusal.check, reason=refusal.detail, nodes=[n.name for n in nodes]))
+
+
+def apply(graph: ir.Graph | ir.Function, rep: Replacement) -> None:
+    """Put the new nodes where the region's last node was, point every reader at the new values, drop the region."""
+    host = graph.graph if isinstance(graph, ir.Function) else graph
+    new_constants = []
+    for node in rep.nodes:
+        for value in node.inputs:
+            if value is not None and value.producer() is None and value.const_value is not None \
+                    and value.graph is None and value not in new_constants:
+                new_constants.append(value)
+    position = {n: i for i, n in enumerate(host)}
+    last = max(rep.region, key=lambda n: position[n])
+    constant_nodes = []
+    for value in new_constants:
+        if isinstance(graph, ir.Function):  # functions have no initializers
+            constant_nodes.append(ir.node("Constant", [], {"value": value.const_value}, outputs=[value],
+                                          name=f"{value.name}/Constant"))
+        else:
+            host.register_initializer(value)
+    host.insert_after(last, constant_nodes + rep.nodes)
+    named_outputs: set[ir.Value] = set()
+    for old, new in rep.outputs.items():
+        if old.is_graph_output():
+            if new in named_outputs:
+                identity = ir.node("Identity", [new], name=f"{old.name}/Identity")
+                host.insert_after(rep.nodes[-1], [identity])
+                new = identity.outputs[0]
+            name = old.name
+            old.name = f"{name}__replaced"
+            new.name = name
+            named_outputs.add(new)
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+    host.remove(rep.region, safe=True)
+    if any(position.get(reader, -1) < position[last] for new in rep.outputs.values()
+           for reader, _ in new.uses() if reader in position):
+        host.sort()
+
+
+def cleanup(graph: ir.Graph | ir.Function, kept: list[_Candidate]) -> None:
+    """Remove what the rewrites left dead: producers of the region's inputs and initializers nobody reads, and
+    Reshapes that now reshape a fused output to the shape it already has."""
+    host = graph.graph if isinstance(graph, ir.Function) else graph
+    for c in kept:
+        for new in c.replacement.outputs.values():
+            _bypass_identity_reshapes(host, new)
+    work = [v for c in kept for n in c.replacement.region for v in n.inputs if v is not None]
+    while work:
+        value = work.pop()
+        if value.uses() or value.is_graph_output() or value.is_graph_input():
+            continue
+        producer = value.producer()
+        if producer is None:
+            if value.name in host.initializers and host.initializers[value.name] is value:
+                del host.initializers[value.name]
+            continue
+        if producer.graph is host and not any(o.uses() or o.is_graph_output() for o in producer.outputs) \
+                and not producer.attributes.get("__side_effect__"):
+            work.extend(v for v in producer.inputs if v is not None)
+            host.remove(producer, safe=True)
+
+
+def _bypass_identity_reshapes(host: ir.Graph, value: ir.Value) -> None:
+    for reader, index in list(value.uses()):
+        if reader.op_type != "Reshape" or index != 0 or reader.graph is not host:
+            continue
+        out = reader.outputs[0]
+        if not (value.shape is not None and out.shape is not None and value.shape.is_static()
+                and out.shape.is_static() and list(value.shape) == list(out.shape)):
+            continue
+        if out.is_graph_output():
+            if value.is_graph_output():
+                continue
+            name = out.name
+            out.name = f"{name}__replaced"
+            value.name = name
+        out.replace_all_uses_with(value, replace_graph_outputs=True)
+        host.remove(reader, safe=True)
+
+
+def _all_names(model: ir.Model) -> set[str]:
+    names = set()
+    for graph in [model.graph, *model.functions.values()]:
+        for value in graph.inputs:
+            names.add(value.name)
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            names.add(node.name)
+            names.update(v.name for v in node.outputs)
+            names.update(v.name for v in node.inputs if v is not None)
+    names.update(model.graph.initializers)
+    return names

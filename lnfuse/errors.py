@@ -1,0 +1,19 @@
+"""Errors a user can act on. The CLI prints ``str(error)`` as one line and exits with ``exit_code``."""
+
+from __future__ import annotations
+
+
+class LnfuseError(Exception):
+    exit_code = 2
+
+
+class InputError(LnfuseError):
+    """The input model cannot be read or is not a valid ONNX model."""
+
+
+class OutputError(LnfuseError):
+    """The output cannot be written where the user asked."""
+
+
+class UsageError(LnfuseError):
+    """The options do not make sense together."""

@@ -1,0 +1,184 @@
+"""Reading models without loading their weights, and writing them atomically.
+
+A model is read with its external data left on disk (onnx_ir's tensors read it lazily, only when a rule needs a
+value), validated, and shape-inferred. Inferred shapes help the checks but are not part of the user's model, so the
+names of the value_info entries the input had are remembered and the others are dropped before saving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from lnfuse.errors import InputError, OutputError
+
+#: ONNX Runtime 1.31 reads IR versions up to 13
+MAX_IR_VERSION = 13
+
+
+@dataclass
+class Loaded:
+    model: ir.Model
+    path: Path | None
+    declared_value_info: set[str] = field(default_factory=set)
+    has_external_data: bool = False
+    shape_inference_error: str | None = None
+
+
+def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
+    """The model's graph, without external data, or ``InputError`` saying what is wrong with the file."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file; check the path")
+    if p.is_dir():
+        raise InputError(f"{p}: is a directory, not an ONNX file")
+    if p.stat().st_size == 0:
+        raise InputError(f"{p}: the file is empty; re-export the model")
+    try:
+        proto = onnx.load(str(p), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, OSError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise InputError(f"{p}: not a readable ONNX model (truncated or not ONNX: {first}); re-export it") from None
+    if not proto.HasField("graph") or proto.ir_version == 0:
+        raise InputError(f"{p}: not an ONNX model (no graph or IR version); re-export it")
+    return proto
+
+
+def validate(proto: onnx.ModelProto, where: str, path: Path | None = None) -> None:
+    if proto.ir_version > MAX_IR_VERSION:
+        raise InputError(f"{where}: IR version {proto.ir_version} is newer than ONNX Runtime reads (<= "
+                         f"{MAX_IR_VERSION}); re-export with an older onnx or set model.ir_version")
+    max_opset = onnx.defs.onnx_opset_version()
+    for imp in proto.opset_import:
+        if imp.domain in ("", "ai.onnx") and imp.version > max_opset:
+            raise InputError(f"{where}: opset {imp.version} is newer than this onnx supports ({max_opset}); "
+                             "upgrade onnx or re-export at a lower opset")
+    if path is not None:
+        _check_external_files(proto, path)
+    try:
+        onnx.checker.check_model(str(path) if path is not None else proto)
+    except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as error:
+        first = str(error).strip().splitlines()[0]
+        raise InputError(f"{where}: fails the ONNX checker ({first}); fix or re-export the model") from None
+
+
+def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:
+    base = path.parent
+    for tensor in _external_tensors(proto):
+        info = {e.key: e.value for e in tensor.external_data}
+        location = base / info.get("location", "")
+        if not location.is_file():
+            raise InputError(f"{path}: external data file '{info.get('location')}' of tensor '{tensor.name}' is "
+                             f"missing; put it next to the model")
+        end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if end > location.stat().st_size:
+            raise InputError(f"{path}: external data file '{info.get('location')}' is shorter than tensor "
+                             f"'{tensor.name}' needs ({end} bytes); the file is truncated")
+
+
+def _external_tensors(proto: onnx.ModelProto):
+    from onnx.external_data_helper import _get_all_tensors
+    return [t for t in _get_all_tensors(proto) if t.data_location == onnx.TensorProto.EXTERNAL]
+
+
+def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
+    names.update(v.name for v in graph.value_info)
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in list(attr.g and [attr.g] or []) + list(attr.graphs):
+                _value_info_names(sub, names)
+    return names
+
+
+def load(source: str | os.PathLike | onnx.ModelProto) -> Loaded:
+    """Read, validate and shape-infer a model; external weights stay on disk."""
+    if isinstance(source, onnx.ModelProto):
+        proto, path, where = source, None, "model"
+        proto = onnx.ModelProto.FromString(proto.SerializeToString())
+    else:
+        path = Path(source)
+        proto, where = read_proto(path), str(path)
+    validate(proto, where, path)
+    declared = _value_info_names(proto.graph, set())
+    has_external = bool(_external_tensors(proto))
+    error = None
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - shape inference is a help, not a requirement
+        inferred, error = proto, str(exc).splitlines()[0]
+    model = ir.serde.deserialize_model(inferred)
+    if path is not None:
+        ir.external_data.set_base_dir(model.graph, path.parent)
+    return Loaded(model, path, declared, has_external, error)
+
+
+def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:
+    """Drop the shapes lnfuse inferred for its own use, so the output declares what the input declared."""
+    for graph in _all_graphs(model):
+        produced = (out for node in graph for out in node.outputs)
+        for value in produced:
+            if value.is_graph_output() or value.name in declared:
+                continue
+            value.type = None
+            value.shape = None
+
+
+def _all_graphs(model: ir.Model):
+    yield model.graph
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield attr.value
+            elif attr.type == ir.AttributeType.GRAPHS:
+                yield from attr.value
+    for function in model.functions.values():
+        yield function
+
+
+def save(model: ir.Model, path: str | os.PathLike, *, external_data: bool, input_path: Path | None = None,
+         in_place: bool = False) -> None:
+    """Write ``model`` to ``path`` atomically: everything goes to a temporary folder beside the target, then each
+    file is renamed into place, data first. A crash or Ctrl-C leaves no partial output."""
+    target = Path(path)
+    if input_path is not None and not in_place and _same_file(target, input_path):
+        raise OutputError(f"{target}: the output would overwrite the input; choose another path or pass --in-place")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise OutputError(f"{target}: folder '{folder}' does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise OutputError(f"{target}: folder '{folder}' is not writable; choose another output path")
+    data_name = target.name + ".data"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".lnfuse-tmp", dir=folder))
+    try:
+        tmp_model = tmp / target.name
+        if external_data:
+            ir.save(model, tmp_model, external_data=data_name)
+        else:
+            proto = ir.serde.serialize_model(model)
+            if proto.ByteSize() > onnx.checker.MAXIMUM_PROTOBUF:
+                ir.save(model, tmp_model, external_data=data_name)
+            else:
+                tmp_model.write_bytes(proto.SerializeToString())
+        for produced in sorted(tmp.iterdir(), key=lambda p: p.name == target.name):
+            os.replace(produced, folder / produced.name)
+    except OSError as error:
+        raise OutputError(f"{target}: could not write ({error.strerror or error}); check the path and free space")\
+            from None
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -1,0 +1,104 @@
+"""What a rule is, and what it hands back to the engine.
+
+A rule owns the math of one fused-op family: the patterns it accepts, the checks that prove a match computes what
+the fused op computes, and the nodes that replace it. The engine owns everything generic: walking graphs, the
+"no intermediate is read elsewhere" check, verification in ORT, applying the rewrite, and the report.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from lnfuse.pattern import Match, Pattern
+
+ORT_ONLY_OPS_NOTE = "uses ONNX Runtime-only ops: onnx.checker will reject it, ONNX Runtime loads it"
+
+
+class Refusal(Exception):
+    """A check failed: the match does not compute what the fused op computes, or the target cannot express it."""
+
+    def __init__(self, check: str, detail: str):
+        super().__init__(f"{check}: {detail}")
+        self.check = check
+        self.detail = detail
+
+
+@dataclass
+class Replacement:
+    """New nodes for a match, and which old values they stand for.
+
+    ``outputs`` maps each old value that outlives the region (the norm's result, an exposed mean...) to the new value
+    that replaces it. ``region`` is every old node that disappears (the matched nodes plus any the rule absorbed).
+    """
+
+    op_type: str
+    domain: str
+    nodes: list[ir.Node]
+    outputs: dict[ir.Value, ir.Value]
+    region: list[ir.Node]
+    attributes: dict[str, object] = field(default_factory=dict)
+    ort_only: bool = False
+    opset_imports: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+class GraphContext:
+    """What a rule may know about the graph it rewrites: its opset, the target, shapes, and fresh names."""
+
+    def __init__(self, graph: ir.Graph | ir.Function, opset: int, target: str, path: str, used_names: set[str]):
+        self.graph = graph
+        self.opset = opset
+        self.target = target
+        self.path = path
+        self._used = used_names
+        self._counter = itertools.count()
+        self.is_function = isinstance(graph, ir.Function)
+
+    def fresh_name(self, hint: str) -> str:
+        name = hint
+        while name in self._used:
+            name = f"{hint}_{next(self._counter)}"
+        self._used.add(name)
+        return name
+
+    def constant(self, array: np.ndarray, hint: str) -> ir.Value:
+        """A new constant value; the engine stores it as an initializer (or a Constant node inside a function)."""
+        value = ir.Value(name=self.fresh_name(hint), const_value=ir.tensor(np.ascontiguousarray(array)))
+        value.type = ir.TensorType(value.const_value.dtype)
+        value.shape = ir.Shape(array.shape)
+        return value
+
+    def node(self, op_type: str, inputs: Sequence[ir.Value | None], attributes: dict | None = None, *,
+             domain: str = "", num_outputs: int = 1, hint: str = "lnfuse") -> ir.Node:
+        node = ir.node(op_type, list(inputs), attributes or {}, domain=domain, num_outputs=num_outputs,
+                       name=self.fresh_name(f"{hint}/{op_type}"))
+        for i, out in enumerate(node.outputs):
+            out.name = self.fresh_name(f"{hint}/{op_type}_out{i}")
+        return node
+
+
+class Rule(abc.ABC):
+    """One fused-op family. Subclasses set the class attributes and write ``build``."""
+
+    #: short name used by ``--only`` / ``--skip`` and in the report
+    name: str
+    #: op types whose nodes mark a normalization-like candidate (reported when left unfused)
+    anchors: frozenset[str]
+    #: alternatives tried at every node, in order; the first match whose checks pass is used
+    patterns: Sequence[Pattern]
+    #: (pattern, reason): shapes that look like this family but compute something else, for the report
+    near_misses: Sequence[tuple[Pattern, str, str]] = ()
+
+    @abc.abstractmethod
+    def build(self, m: Match, ctx: GraphContext) -> Replacement:
+        """Check the match and build its replacement, or raise ``Refusal``."""
+
+    def anchor_nodes(self, m: Match) -> Iterable[ir.Node]:
+        """The anchor nodes a match covers (so the report can tie refusals to candidates)."""
+        return (n for n in m.nodes if n.op_type in self.anchors)

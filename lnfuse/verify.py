@@ -1,0 +1,236 @@
+"""Measured proof: run each matched region and its replacement in ONNX Runtime on the same inputs.
+
+Regions are cut out as tiny models and batched: one session runs every original region of a pass, one runs every
+replacement. Graph optimizations are off, so ORT does not fuse the original for us. Inputs are random with some
+rows of very small variance (a wrong epsilon only shows there) and some with a large offset (a wrong centring only
+shows there); symbolic dims get concrete sizes, the same size for the same name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from lnfuse.constants import is_static, static_value
+from lnfuse.rule import Replacement
+
+#: (atol, rtol) by the dtype of the compared output
+TOLERANCE = {
+    ir.DataType.DOUBLE: (1e-9, 1e-7),
+    ir.DataType.FLOAT: (1e-4, 1e-3),
+    ir.DataType.FLOAT16: (1e-2, 1e-2),
+    ir.DataType.BFLOAT16: (6e-2, 3e-2),
+}
+_SMALL_SCALE = {ir.DataType.DOUBLE: 1e-4, ir.DataType.FLOAT: 1e-4, ir.DataType.FLOAT16: 3e-3,
+                ir.DataType.BFLOAT16: 3e-2}
+_SIZES = (2, 3, 5, 4, 6, 7)
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    max_error: float
+    detail: str
+
+
+class Unverifiable(Exception):
+    """The region cannot be run on its own (unknown shapes or dtypes)."""
+
+
+def verify(replacements: Sequence[Replacement], opsets: dict[str, int], ir_version: int,
+           seed: int = 0) -> list[Outcome]:
+    """One outcome per replacement, in order. Batches them; on a batch failure, checks them one by one."""
+    if not replacements:
+        return []
+    prepared, outcomes = [], [None] * len(replacements)
+    for i, rep in enumerate(replacements):
+        try:
+            prepared.append((i, _Region(rep, f"c{i}__", seed + i)))
+        except Unverifiable as error:
+            outcomes[i] = Outcome(False, float("nan"), f"cannot verify: {error}")
+    try:
+        results = _run([r for _, r in prepared], opsets, ir_version)
+        for (i, _), outcome in zip(prepared, results):
+            outcomes[i] = outcome
+    except Exception:  # noqa: BLE001 - isolate the failing region below
+        for i, region in prepared:
+            try:
+                outcomes[i] = _run([region], opsets, ir_version)[0]
+            except Exception as error:  # noqa: BLE001 - ORT raises several types; the message is what matters
+                outcomes[i] = Outcome(False, float("nan"), f"ORT could not run it: {_first_line(error)}")
+    return outcomes
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return (text.splitlines() or [type(error).__name__])[-1][:300]
+
+
+class _Region:
+    """One replacement cut out of its graph: the old nodes and the new nodes, reading the same inputs."""
+
+    def __init__(self, rep: Replacement, prefix: str, seed: int):
+        self.prefix = prefix
+        self.rep = rep
+        old_nodes = _graph_order(rep.region)
+        produced_old = {v for n in old_nodes for v in n.outputs}
+        produced_new = {v for n in rep.nodes for v in n.outputs}
+        reads = _reads(old_nodes, produced_old) + _reads(rep.nodes, produced_new)
+        self.inputs, self.constants, seen = [], [], set()
+        for value in reads:
+            if value in seen:
+                continue
+            seen.add(value)
+            if is_static(value):
+                self.constants.append(value)
+            else:
+                self.inputs.append(value)
+        self.pairs = list(rep.outputs.items())
+        self.old_nodes = old_nodes
+        self.feeds = self._feeds(np.random.default_rng(seed))
+
+    def _feeds(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        dims: dict[str, int] = {}
+        feeds = {}
+        for value in self.inputs:
+            if value.shape is None or value.type is None:
+                raise Unverifiable(f"the shape or dtype of '{value.name}' is unknown")
+            shape = []
+            for d in value.shape:
+                if isinstance(d, int):
+                    shape.append(d)
+                else:
+                    key = str(d) if d is not None and d.value is not None else f"?{len(dims)}"
+                    shape.append(dims.setdefault(key, _SIZES[len(dims) % len(_SIZES)]))
+            feeds[self.prefix + value.name] = _random(rng, value.dtype, shape)
+        return feeds
+
+    def graph(self, fused: bool) -> tuple[list, list, list, list]:
+        nodes = self.rep.nodes if fused else self.old_nodes
+        pairs = [(new if fused else old) for old, new in self.pairs]
+        node_protos, inputs, outputs, inits = [], [], [], []
+        for value in self.inputs:
+            name = self.prefix + value.name
+            if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+                # numpy has no bfloat16 for ORT's feed: feed fp32 and cast inside the model
+                inputs.append(onnx.helper.make_tensor_value_info(name + "__f32", onnx.TensorProto.FLOAT, None))
+                node_protos.append(onnx.helper.make_node("Cast", [name + "__f32"], [name], to=value.dtype.value))
+            else:
+                inputs.append(onnx.helper.make_tensor_value_info(name, value.dtype.value, None))
+        for value in self.constants:
+            array = static_value(value)
+            if array is None:
+                raise Unverifiable(f"constant '{value.name}' cannot be read")
+            inits.append(onnx.numpy_helper.from_array(array, self.prefix + value.name))
+        for node in nodes:
+            proto = ir.serde.serialize_node(node)
+            proto.name = self.prefix + (proto.name or "node")
+            proto.input[:] = [self.prefix + n if n else "" for n in proto.input]
+            proto.output[:] = [self.prefix + n if n else "" for n in proto.output]
+            node_protos.append(proto)
+        for i, value in enumerate(pairs):
+            name = f"{self.prefix}out{i}"
+            node_protos.append(onnx.helper.make_node("Cast", [self.prefix + value.name], [name],
+                                                     to=onnx.TensorProto.DOUBLE))
+            outputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.DOUBLE, None))
+        return node_protos, inputs, outputs, inits
+
+    def feed_dict(self) -> dict[str, np.ndarray]:
+        out = {}
+        for value in self.inputs:
+            name = self.prefix + value.name
+            key = name + "__f32" if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else name
+            out[key] = self.feeds[name]
+        return out
+
+
+def _reads(nodes: Sequence[ir.Node], produced: set) -> list[ir.Value]:
+    return [v for n in nodes for v in n.inputs if v is not None and v not in produced]
+
+
+def _graph_order(nodes: Sequence[ir.Node]) -> list[ir.Node]:
+    graph = nodes[0].graph if nodes else None
+    if graph is None:
+        return list(nodes)
+    position = {node: i for i, node in enumerate(graph)}
+    return sorted(nodes, key=lambda n: position.get(n, len(position)))
+
+
+def _random(rng: np.random.Generator, dtype: ir.DataType, shape: list[int]) -> np.ndarray:
+    if dtype.is_floating_point():
+        scale = np.ones([shape[0]] + [1] * (len(shape) - 1)) if shape else np.ones(())
+        offset = np.zeros_like(scale)
+        if shape and shape[0] > 1:
+            scale.reshape(-1)[1::3] = _SMALL_SCALE.get(dtype, 1e-3)
+            offset.reshape(-1)[2::3] = 3.0
+        data = np.asarray(rng.standard_normal(shape) * scale + offset)
+        return data.astype(np.float64 if dtype == ir.DataType.DOUBLE else np.float32)
+    if dtype == ir.DataType.BOOL:
+        return rng.integers(0, 2, size=shape).astype(bool)
+    return np.zeros(shape, dtype=dtype.numpy())
+
+
+def _run(regions: list[_Region], opsets: dict[str, int], ir_version: int) -> list[Outcome]:
+    results = {}
+    feeds = {}
+    for region in regions:
+        feeds.update(region.feed_dict())
+    for fused in (False, True):
+        nodes, inputs, outputs, inits = [], [], [], []
+        for region in regions:
+            n, i, o, t = region.graph(fused)
+            nodes += n
+            inputs += i
+            outputs += o
+            inits += t
+        graph = onnx.helper.make_graph(nodes, "lnfuse_verify", inputs, outputs, inits)
+        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v)
+                                                             for d, v in opsets.items()])
+        model.ir_version = ir_version
+        results[fused] = session(model).run(None, feeds)
+    outcomes, index = [], 0
+    for region in regions:
+        worst, ok, detail = 0.0, True, ""
+        for k, (old, _) in enumerate(region.pairs):
+            expected, actual = results[False][index], results[True][index]
+            index += 1
+            atol, rtol = TOLERANCE.get(old.dtype, (1e-4, 1e-3))
+            err, passed = compare(expected, actual, atol, rtol)
+            worst = max(worst, err)
+            if not passed:
+                ok = False
+                detail = f"output '{old.name}' differs by {err:.3g} (tolerance {atol:g} + {rtol:g}*|x|)"
+        outcomes.append(Outcome(ok, worst, detail))
+    return outcomes
+
+
+def compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float) -> tuple[float, float]:
+    """(max abs error, passed). NaN and inf must match exactly."""
+    if expected.shape != actual.shape:
+        return float("inf"), False
+    expected = expected.astype(np.float64)
+    actual = actual.astype(np.float64)
+    same_special = (np.isnan(expected) & np.isnan(actual)) | (np.isinf(expected) & (expected == actual))
+    finite = ~same_special
+    if not finite.any():
+        return 0.0, True
+    diff = np.abs(expected[finite] - actual[finite])
+    err = float(np.nanmax(diff)) if diff.size else 0.0
+    if np.isnan(diff).any():
+        return float("nan"), False
+    return err, bool(np.all(diff <= atol + rtol * np.abs(expected[finite])))
+
+
+def session(model: onnx.ModelProto | bytes | str, optimize: bool = False) -> ort.InferenceSession:
+    """An ORT CPU session; graph optimizations off unless asked (so ORT's own fusions do not hide differences)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    options.log_severity_level = 3
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])

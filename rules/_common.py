@@ -1,0 +1,234 @@
+"""Pattern pieces and named checks shared by the normalization families.
+
+Each check either returns what it proved (axes, epsilon, a parameter in the fused op's layout) or raises ``Refusal``
+with the values it saw, so the report can say exactly why a candidate was left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import onnx_ir as ir
+
+from lnfuse.constants import static_value
+from lnfuse.pattern import Const, Either, Match, Op, Pattern, attr_value, maybe_cast
+from lnfuse.rule import GraphContext, Refusal
+
+FLOATS = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE)
+_WIDTH = {ir.DataType.FLOAT16: 16, ir.DataType.BFLOAT16: 16, ir.DataType.FLOAT: 32, ir.DataType.DOUBLE: 64}
+
+
+# ---- pattern pieces ---------------------------------------------------------------------------------------------
+
+def mean_over(x: Pattern, name: str) -> Pattern:
+    """ReduceMean(x) with the reduced axes kept: keepdims=1, or keepdims=0 followed by an Unsqueeze that restores
+    them (``reduced_axes`` proves the Unsqueeze puts them back where they were)."""
+    reduce = Op("ReduceMean", x, name=name, extra_inputs=True)
+    return Either(reduce, Op("Unsqueeze", reduce, name=f"{name}_unsqueeze", extra_inputs=True))
+
+
+def square(d: Pattern, name: str) -> Pattern:
+    """d², written ``Pow(d, 2)`` (exponent checked by ``check_exponent``) or ``Mul(d, d)``."""
+    return Either(Op("Pow", maybe_cast(d, f"{name}_cast"), Const(f"{name}_exponent"), name=f"{name}_pow"),
+                  Op("Mul", d, d, name=f"{name}_mul"))
+
+
+def kept_dims(m: Match, name: str) -> ir.Value:
+    """The keepdims=1 form of a ``mean_over`` match."""
+    return m.value(f"{name}_unsqueeze") or m.value(name)
+
+
+# ---- checks -----------------------------------------------------------------------------------------------------
+
+def rank_of(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
+    """The axes a ``mean_over`` match reduces, as negative numbers, proven to be kept (keepdims or Unsqueeze)."""
+    node = m.node(name)
+    x = node.inputs[0]
+    rank = rank_of(x)
+    axes = attr_value(node, "axes")
+    if axes is None and len(node.inputs) > 1 and node.inputs[1] is not None:
+        found = static_value(node.inputs[1])
+        if found is None:
+            raise Refusal("axes", f"the axes of ReduceMean '{node.name}' are computed at run time")
+        axes = found.reshape(-1).tolist()
+    if not axes:
+        if attr_value(node, "noop_with_empty_axes", 0):
+            raise Refusal("axes", f"ReduceMean '{node.name}' has empty axes with noop_with_empty_axes=1 (no reduction)")
+        if rank is None:
+            raise Refusal("axes", f"ReduceMean '{node.name}' reduces all axes of a tensor of unknown rank")
+        axes = list(range(rank))
+    axes = [int(a) for a in axes]
+    if any(a >= 0 for a in axes):
+        if rank is None:
+            raise Refusal("axes", f"ReduceMean '{node.name}' has axes {axes} but the rank of its input is unknown")
+        axes = [a - rank if a >= 0 else a for a in axes]
+    axes = sorted(set(axes))
+    keepdims = attr_value(node, "keepdims", 1)
+    unsqueeze = m.node(f"{name}_unsqueeze")
+    if unsqueeze is None and not keepdims:
+        raise Refusal("keepdims", f"ReduceMean '{node.name}' drops the reduced axes (keepdims=0)")
+    if unsqueeze is not None:
+        if keepdims:
+            raise Refusal("keepdims", f"Unsqueeze '{unsqueeze.name}' adds axes to a ReduceMean that kept them")
+        restored = attr_value(unsqueeze, "axes")
+        if restored is None:
+            found = static_value(unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else None
+            if found is None:
+                raise Refusal("keepdims", f"the axes of Unsqueeze '{unsqueeze.name}' are computed at run time")
+            restored = found.reshape(-1).tolist()
+        out_rank = rank if rank is not None else len(axes) + (rank_of(node.outputs[0]) or 0)
+        restored = sorted(int(a) - out_rank if int(a) >= 0 else int(a) for a in restored)
+        if restored != axes:
+            raise Refusal("keepdims", f"ReduceMean '{node.name}' reduces axes {axes} but Unsqueeze "
+                          f"'{unsqueeze.name}' restores {restored}")
+    return tuple(axes)
+
+
+def trailing_axes(axes: tuple[int, ...], node: ir.Node, others: Iterable[tuple[tuple[int, ...], ir.Node]] = ()) -> int:
+    """Number of normalized axes, after proving they are the last ones and every reduction agrees."""
+    for other_axes, other in others:
+        if other_axes != axes:
+            raise Refusal("axes", f"ReduceMean '{node.name}' reduces {list(axes)} but '{other.name}' reduces "
+                          f"{list(other_axes)}")
+    k = len(axes)
+    if list(axes) != list(range(-k, 0)):
+        raise Refusal("axes", f"ReduceMean '{node.name}' reduces axes {list(axes)}, not the trailing ones")
+    return k
+
+
+def scalar(m: Match, name: str, what: str) -> float:
+    """A constant that must hold one number (possibly broadcast): epsilon, an exponent, a numerator."""
+    value = m.value(name)
+    array = static_value(value)
+    if array is None:
+        producer = value.producer()
+        source = f"node '{producer.name}' ({producer.op_type})" if producer is not None else "a graph input"
+        raise Refusal(what, f"{what} '{value.name}' is not a constant (computed by {source})")
+    flat = np.asarray(array).reshape(-1)
+    if flat.size == 0 or not np.all(flat == flat[0]):
+        raise Refusal(what, f"{what} '{value.name}' holds different values {flat[:4].tolist()}")
+    return float(flat[0])
+
+
+def check_exponent(m: Match, name: str, expected: float, what: str) -> None:
+    if m.value(f"{name}_exponent") is None:
+        return
+    exponent = scalar(m, f"{name}_exponent", what)
+    if exponent != expected:
+        raise Refusal(what, f"Pow '{m.node(f'{name}_pow').name}' raises to {exponent:g}, not {expected:g}")
+
+
+def epsilon(m: Match, name: str = "eps") -> float:
+    eps = scalar(m, name, "epsilon")
+    if not eps > 0:
+        raise Refusal("epsilon", f"epsilon is {eps:g}; the fused op needs a positive epsilon")
+    return eps
+
+
+def readers_outside(value: ir.Value, region: Iterable[ir.Node]) -> list[ir.Node]:
+    inside = set(region)
+    return [user for user, _ in value.uses() if user not in inside]
+
+
+def node_name(node: ir.Node | None) -> str:
+    return "?" if node is None else (node.name or node.op_type)
+
+
+# ---- dtypes and parameters --------------------------------------------------------------------------------------
+
+def dtype_of(value: ir.Value) -> ir.DataType | None:
+    return value.dtype if value.type is not None else None
+
+
+def cast_target(node: ir.Node) -> ir.DataType:
+    return ir.DataType(attr_value(node, "to"))
+
+
+def is_widening(src: ir.DataType | None, dst: ir.DataType) -> bool:
+    """A float-to-float Cast that every value survives exactly (fp16/bf16 -> fp32 -> fp64)."""
+    if src not in _WIDTH or dst not in _WIDTH:
+        return False
+    if src == dst:
+        return True
+    return _WIDTH[src] < _WIDTH[dst] and not (src == ir.DataType.FLOAT16 and dst == ir.DataType.BFLOAT16)
+
+
+def peel_widening_casts(value: ir.Value) -> ir.Value:
+    """The value a chain of exact Casts started from: ``Cast(gamma_fp16 -> fp32)`` is gamma_fp16 seen as fp32."""
+    while (node := value.producer()) is not None and node.op_type == "Cast" and \
+            is_widening(dtype_of(node.inputs[0]), cast_target(node)):
+        value = node.inputs[0]
+    return value
+
+
+def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.DataType, what: str) -> ir.Value:
+    """gamma or beta in the fused op's layout: shape x.shape[-k:] (or [H] for k=1) and the op's dtype.
+
+    The math allows any operand that broadcasts onto the normalized axes without touching the leading ones; the
+    fused op wants exactly the normalized shape. Constants are reshaped/broadcast and cast (only when exact);
+    run-time tensors are accepted when their shape already is the normalized shape, up to leading 1s.
+    """
+    source = peel_widening_casts(value)
+    x_rank = rank_of(x)
+    shape = source.shape
+    if shape is None:
+        raise Refusal(what, f"the shape of {what} '{value.name}' is unknown")
+    dims = list(shape)
+    if x_rank is not None and len(dims) > x_rank:
+        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)}, which raises the rank of the input "
+                      f"(rank {x_rank})")
+    lead, tail = dims[:-k] if len(dims) > k else [], dims[-k:] if k else []
+    if any(d != 1 for d in lead):
+        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)}: it varies over the leading axes, "
+                      f"not only the {k} normalized one(s)")
+    x_tail = list(x.shape)[-k:] if x.shape is not None else [None] * k
+    target = []
+    for have, want in zip([1] * (k - len(tail)) + tail, x_tail):
+        if isinstance(want, int):
+            target.append(want)
+        elif have != 1 and isinstance(have, int):
+            target.append(have)
+        else:
+            raise Refusal(what, f"the normalized dims of the input {_fmt(x_tail)} are not known, so {what} "
+                          f"'{value.name}' {_fmt(dims)} cannot be laid out for the fused op")
+    for have, want in zip([1] * (k - len(tail)) + tail, target):
+        if have != want and have != 1:
+            raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)}, which does not broadcast onto the "
+                          f"normalized dims {target}")
+    array = static_value(source)
+    if array is not None:
+        converted = _exact_astype(np.broadcast_to(array.reshape(tail if tail else []), target), dtype)
+        if converted is None:
+            raise Refusal("dtype", f"{what} '{value.name}' ({dtype_of(source)}) is not exactly representable "
+                          f"in {dtype}")
+        if source is value and list(array.shape) == target and dtype_of(source) == dtype:
+            return value
+        return ctx.constant(converted, f"{value.name}_{dtype.name.lower()}")
+    if dtype_of(source) != dtype:
+        raise Refusal("dtype", f"{what} '{value.name}' is {dtype_of(source)} at run time and the fused op "
+                      f"needs {dtype}")
+    if tail != target:
+        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)} at run time; the fused op needs {target}")
+    if dims == target:
+        return source
+    reshape = ctx.node("Reshape", [source, ctx.constant(np.array(target, dtype=np.int64), f"{what}_shape")],
+                       hint=what)
+    reshape.outputs[0].type = ir.TensorType(dtype)
+    reshape.outputs[0].shape = ir.Shape(target)
+    return reshape.outputs[0]
+
+
+def _exact_astype(array: np.ndarray, dtype: ir.DataType) -> np.ndarray | None:
+    converted = np.asarray(array).astype(dtype.numpy())
+    back = converted.astype(np.float64)
+    original = np.asarray(array).astype(np.float64)
+    return converted if np.array_equal(back, original, equal_nan=True) else None
+
+
+def _fmt(dims) -> str:
+    return "[" + ",".join(str(d) for d in dims) + "]"

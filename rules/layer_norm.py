@@ -1,0 +1,185 @@
+"""LayerNormalization: y = (x - E[x]) / sqrt(Var[x] + eps) * gamma + beta, over the trailing axes.
+
+Writes LayerNormalization-17 (opset >= 17), or ONNX Runtime's own LayerNormalization (registered in the default
+domain, ORT-only) on older opsets with ``--target ort``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript import FLOAT, script
+from onnxscript import opset18 as op
+
+from lnfuse.constants import static_value
+from lnfuse.pattern import Const, Either, Match, Op, Var, maybe_cast
+from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
+from ._common import (FLOATS, check_exponent, epsilon, kept_dims, mean_over, node_name, param_as,
+                           rank_of, readers_outside, reduced_axes, square, trailing_axes)
+from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish,
+                         inverse_std, inverse_std_readers, normalize, ones_scale, params)
+
+
+@script(default_opset=op)
+def reference(X, Scale, B, axis: int = -1, epsilon: float = 1e-5):
+    """LayerNormalization-17 with stash_type=1 (statistics in float32), for a negative ``axis``."""
+    axes = op.Range(op.Constant(value_int=axis), op.Constant(value_int=0), op.Constant(value_int=1))
+    xf = op.Cast(X, to=FLOAT.dtype)
+    mean = op.ReduceMean(xf, axes)
+    d = op.Sub(xf, mean)
+    var = op.ReduceMean(op.Mul(d, d), axes)
+    eps = op.CastLike(op.Constant(value_float=epsilon), var)
+    normalized = op.Div(d, op.Sqrt(op.Add(var, eps)))
+    return op.Add(op.Mul(op.CastLike(normalized, X), Scale), B)
+
+
+# ---- the math, as patterns --------------------------------------------------------------------------------------
+X = maybe_cast(Var("x_in"), cast="cast_in", name="x")
+MEAN = mean_over(X, "mean")
+D = Op("Sub", X, MEAN, name="d")
+D_NUM = maybe_cast(D, cast="d_cast", name="d_num")
+VARIANCE = Either(
+    mean_over(square(D, "sq"), "var"),
+    # E[x²] - E[x]²: the ONNX function body of LayerNormalization
+    Op("Sub", mean_over(square(X, "xsq"), "var"), square(MEAN, "msq"), name="var_sub"),
+)
+VAR_EPS = Op("Add", VARIANCE, Const("eps"), name="add_eps")
+NORMALIZED = normalize(D_NUM, VAR_EPS)
+STANDARD = affine(NORMALIZED)
+# the ONNX function body works on Flatten(X, axis) and reshapes back: Reshape(norm2d, Shape(X))
+UNFLATTENED = Op("Reshape", STANDARD, Var("x_shape"), name="unflatten")
+# tf2onnx/Keras folds the affine: x*k + (beta - mean*k) with k = gamma / sqrt(var + eps)
+_INV = inverse_std(VAR_EPS)
+_K = Either(Op("Mul", _INV, Var("gamma"), name="mul_gamma"), _INV)
+FOLDED = maybe_cast(Either(
+    Op("Add", Op("Mul", X, _K, name="x_k"), Op("Sub", Var("beta"), Op("Mul", MEAN, _K, name="mean_k"),
+                                              name="shift"), name="add_beta"),
+    Op("Sub", Op("Mul", X, _K, name="x_k"), Op("Mul", MEAN, _K, name="mean_k"), name="shift"),
+), cast="cast_out", name="y")
+
+
+class LayerNorm(Rule):
+    name = "layer_norm"
+    anchors = frozenset({"ReduceMean"})
+    patterns = (UNFLATTENED, STANDARD, FOLDED)
+    near_misses = (
+        (Op("Div", Op("Sub", Var("a"), Op("ReduceMean", Var("b"), extra_inputs=True)),
+            Op("Add", Op("Sqrt", Var("v")), Const("e"))), "epsilon",
+         "epsilon is added outside the square root: (x - mean) / (sqrt(var) + eps)"),
+        (Op("Sub", Op("ReduceMean", Var("x"), extra_inputs=True), Var("x")), "operands",
+         "Sub computes mean - x (operands swapped)"),
+        (Op("Div", Op("Sqrt", Var("v")), Op("Sub", Var("x"), Var("m"))), "operands",
+         "Div computes sqrt(var + eps) / (x - mean) (operands swapped)"),
+    )
+
+    def build(self, m: Match, ctx: GraphContext) -> Replacement:
+        k = trailing_axes(reduced_axes(m, "mean"), m.node("mean"), [(reduced_axes(m, "var"), m.node("var"))])
+        eps = epsilon(m)
+        for name in ("sq", "xsq", "msq"):
+            check_exponent(m, name, 2.0, "exponent")
+        check_inverse_sqrt(m)
+        check_inner_casts(m, ("sq_cast", "xsq_cast", "msq_cast"))
+        refusal = None
+        for b in boundaries(m):
+            try:
+                return self._write(m, ctx, b, k, eps)
+            except Refusal as r:
+                refusal = refusal or r
+        raise refusal
+
+    def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float) -> Replacement:
+        op_type, ort_only = _choose_op(ctx, b.dtype)
+        region = list(b.region)
+        x, y = b.x, b.y
+        if m.node("unflatten") is not None:
+            x, y, k, gamma, beta = _unflatten(m, ctx, b)
+        else:
+            gamma, beta = params(m, ctx, b, k)
+        nodes = []
+        mean = kept_dims(m, "mean")
+        exposed_mean = [mean] if readers_outside(mean, region) else []
+        exposed_inv, absorbed = inverse_std_readers(m, region)
+        region += absorbed
+        if m.node("unflatten") is not None:
+            _only_reshaped(exposed_mean + exposed_inv, region)
+        n_out = 3 if exposed_inv else 2 if exposed_mean else 1
+        scale = gamma if gamma is not None else ones_scale(ctx, x, k, b.dtype)
+        attrs = {"axis": -k, "epsilon": eps, "stash_type": 1}
+        fused = ctx.node(op_type, [x, scale] + ([beta] if beta is not None else []), attrs, num_outputs=n_out,
+                         hint=node_name(m.node("mean")))
+        nodes.append(fused)
+        fused.outputs[0].type, fused.outputs[0].shape = y.type, y.shape
+        outputs = {y: fused.outputs[0]}
+        stash = ir.DataType.FLOAT
+        for old in exposed_mean:
+            outputs[old] = expose(ctx, fused.outputs[1], old, stash, nodes)
+        for old in exposed_inv:
+            outputs[old] = expose(ctx, fused.outputs[2], old, stash, nodes)
+        for i in range(1, n_out):
+            fused.outputs[i].type = ir.TensorType(stash)
+            if x.shape is not None:
+                fused.outputs[i].shape = ir.Shape(list(x.shape)[:-k] + [1] * k)
+        return finish(op_type, "", nodes, outputs, region, {"axis": -k, "epsilon": eps}, ort_only)
+
+
+def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> tuple[str, bool]:
+    if dtype not in FLOATS:
+        raise Refusal("dtype", f"LayerNormalization does not take {dtype}")
+    if ctx.opset >= 17:
+        return "LayerNormalization", False
+    if ctx.target == "ort":
+        return "LayerNormalization", True
+    raise Refusal("opset", f"LayerNormalization needs opset 17 and the model has opset {ctx.opset}: use "
+                  f"--upgrade-opset, or --target ort for ONNX Runtime's own LayerNormalization")
+
+
+def _unflatten(m: Match, ctx: GraphContext, b: Boundary):
+    """Prove ``Reshape(norm(Flatten(X, a)), Shape(X))`` is a norm of X over its axes a.., and lay out gamma/beta."""
+    flatten, shape = b.x.producer(), m.value("x_shape").producer()
+    if b.y is not m.value("unflatten") or flatten is None or flatten.op_type != "Flatten":
+        raise Refusal("shape", "the Reshape after the norm does not undo a Flatten before it")
+    x_nd = flatten.inputs[0]
+    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not x_nd or shape.attributes:
+        raise Refusal("shape", f"Reshape '{node_name(m.node('unflatten'))}' does not restore the shape of "
+                      f"'{x_nd.name}'")
+    rank = rank_of(x_nd)
+    if rank is None:
+        raise Refusal("shape", f"the rank of '{x_nd.name}' is unknown")
+    axis = flatten.attributes["axis"].value if "axis" in flatten.attributes else 1
+    k = rank - (axis % rank if rank else 0) if axis != rank else 0
+    if k < 1:
+        raise Refusal("axes", f"Flatten '{flatten.name}' leaves no axis to normalize")
+    b2 = Boundary(x_nd, m.value("unflatten"), b.dtype, b.region)
+    gamma = m.value("gamma") if m.node("mul_gamma") is not None else None
+    beta = m.value("beta") if m.node("add_beta") is not None else None
+    return (x_nd, b2.y, k, _flat_param(ctx, gamma, x_nd, k, b.dtype, "gamma"),
+            _flat_param(ctx, beta, x_nd, k, b.dtype, "beta"))
+
+
+def _flat_param(ctx: GraphContext, value: ir.Value | None, x_nd: ir.Value, k: int, dtype: ir.DataType,
+                what: str) -> ir.Value | None:
+    """gamma/beta seen as [1, N] in the flattened norm: Flatten(W, 0) is W itself; a constant is reshaped."""
+    if value is None:
+        return None
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Flatten" and \
+            (producer.attributes["axis"].value if "axis" in producer.attributes else 1) == 0:
+        return param_as(ctx, producer.inputs[0], x_nd, k, dtype, what)
+    array = static_value(value)
+    dims = list(x_nd.shape)[-k:]
+    if array is None or not all(isinstance(d, int) for d in dims) or array.size not in (1, int(np.prod(dims))):
+        raise Refusal(what, f"{what} '{value.name}' of the flattened norm cannot be laid out as {dims}")
+    laid_out = ctx.constant(np.broadcast_to(array.reshape(-1), (int(np.prod(dims)),)).reshape(dims), what)
+    return param_as(ctx, laid_out, x_nd, k, dtype, what)
+
+
+def _only_reshaped(values: list[ir.Value], region: list[ir.Node]) -> None:
+    # the flattened statistic has shape [M, 1]; the fused op's has X's leading dims: only a Reshape cannot tell
+    for value in values:
+        for reader in readers_outside(value, region):
+            if reader.op_type != "Reshape" or reader.inputs[0] is not value:
+                raise Refusal("intermediate", f"'{value.name}' is read by {reader.op_type} '{reader.name}' in its "
+                              f"flattened shape")
+
+
+RULE = LayerNorm()

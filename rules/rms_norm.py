@@ -1,0 +1,92 @@
+"""RMS normalization: y = x / sqrt(E[x²] + eps) * gamma, over the trailing axes (LLaMA, Qwen, T5, Gemma...).
+
+Writes RMSNormalization-23 (opset >= 23), or ONNX Runtime's SimplifiedLayerNormalization (default domain,
+ORT-only) with ``--target ort`` on older opsets and for bfloat16, which RMSNormalization-23 cannot run on CPU.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript import FLOAT, script
+from onnxscript import opset18 as op
+
+from lnfuse.pattern import Const, Match, Op, Var, maybe_cast
+from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
+from ._common import FLOATS, check_exponent, epsilon, mean_over, node_name, reduced_axes, square, trailing_axes
+from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish,
+                         inverse_std_readers, normalize, ones_scale, params)
+
+
+@script(default_opset=op)
+def reference(X, Scale, axis: int = -1, epsilon: float = 1e-5):
+    """RMSNormalization-23 / SimplifiedLayerNormalization with stash_type=1, for a negative ``axis``."""
+    axes = op.Range(op.Constant(value_int=axis), op.Constant(value_int=0), op.Constant(value_int=1))
+    xf = op.Cast(X, to=FLOAT.dtype)
+    mean_square = op.ReduceMean(op.Mul(xf, xf), axes)
+    eps = op.CastLike(op.Constant(value_float=epsilon), mean_square)
+    normalized = op.Div(xf, op.Sqrt(op.Add(mean_square, eps)))
+    return op.Mul(op.CastLike(normalized, X), Scale)
+
+
+X = maybe_cast(Var("x_in"), cast="cast_in", name="x")
+VAR_EPS = Op("Add", mean_over(square(X, "sq"), "var"), Const("eps"), name="add_eps")
+PATTERN = affine(normalize(maybe_cast(X, cast="d_cast", name="d_num"), VAR_EPS))
+
+
+class RmsNorm(Rule):
+    name = "rms_norm"
+    anchors = frozenset({"ReduceMean"})
+    patterns = (PATTERN,)
+
+    def build(self, m: Match, ctx: GraphContext) -> Replacement:
+        k = trailing_axes(reduced_axes(m, "var"), m.node("var"))
+        eps = epsilon(m)
+        check_exponent(m, "sq", 2.0, "exponent")
+        check_inverse_sqrt(m)
+        check_inner_casts(m, ("sq_cast", "d_cast"))
+        if m.node("add_beta") is not None:
+            raise Refusal("bias", "RMS normalization has no bias input; the Add stays outside")
+        refusal = None
+        for b in boundaries(m):
+            try:
+                return self._write(m, ctx, b, k, eps)
+            except Refusal as r:
+                refusal = refusal or r
+        raise refusal
+
+    def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float) -> Replacement:
+        op_type, ort_only = _choose_op(ctx, b.dtype)
+        region = list(b.region)
+        gamma, _ = params(m, ctx, b, k)
+        exposed_inv, absorbed = inverse_std_readers(m, region)
+        if exposed_inv and op_type == "RMSNormalization":
+            raise Refusal("intermediate", f"'{exposed_inv[0].name}' (1/rms) is read elsewhere and "
+                          "RMSNormalization does not output it")
+        region += absorbed
+        scale = gamma if gamma is not None else ones_scale(ctx, b.x, k, b.dtype)
+        attrs = {"axis": -k, "epsilon": eps, "stash_type": 1}
+        fused = ctx.node(op_type, [b.x, scale], attrs, num_outputs=2 if exposed_inv else 1,
+                         hint=node_name(m.node("var")))
+        fused.outputs[0].type, fused.outputs[0].shape = b.y.type, b.y.shape
+        nodes, outputs = [fused], {b.y: fused.outputs[0]}
+        for old in exposed_inv:
+            fused.outputs[1].type = ir.TensorType(ir.DataType.FLOAT)
+            outputs[old] = expose(ctx, fused.outputs[1], old, ir.DataType.FLOAT, nodes)
+        return finish(op_type, "", nodes, outputs, region, {"axis": -k, "epsilon": eps}, ort_only)
+
+
+def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> tuple[str, bool]:
+    if dtype not in FLOATS:
+        raise Refusal("dtype", f"RMS normalization does not take {dtype}")
+    if ctx.opset >= 23 and dtype != ir.DataType.BFLOAT16:
+        return "RMSNormalization", False
+    if ctx.target == "ort":
+        return "SimplifiedLayerNormalization", True
+    if ctx.opset >= 23:
+        raise Refusal("dtype", "RMSNormalization-23 has no bfloat16 kernel in ONNX Runtime's CPU provider; "
+                      "use --target ort for SimplifiedLayerNormalization")
+    raise Refusal("opset", f"RMSNormalization needs opset 23 and the model has opset {ctx.opset}: use "
+                  f"--upgrade-opset, or --target ort for ONNX Runtime's SimplifiedLayerNormalization")
+
+
+RULE = RmsNorm()
