@@ -263,21 +263,30 @@ def cleanup(graph: ir.Graph | ir.Function, kept: list[_Candidate]) -> None:
 
 
 def _bypass_identity_reshapes(host: ir.Graph, value: ir.Value) -> None:
-    for reader, index in list(value.uses()):
-        if reader.op_type != "Reshape" or index != 0 or reader.graph is not host:
-            continue
-        out = reader.outputs[0]
-        if not (value.shape is not None and out.shape is not None and value.shape.is_static()
-                and out.shape.is_static() and list(value.shape) == list(out.shape)):
-            continue
-        if out.is_graph_output():
-            if value.is_graph_output():
-                continue
-            name = out.name
-            out.name = f"{name}__replaced"
-            value.name = name
-        out.replace_all_uses_with(value, replace_graph_outputs=True)
-        host.remove(reader, safe=True)
+    """Reshape chains that bring a fused output back to the shape it already has are the identity."""
+    chain, current = [], value
+    while True:
+        readers = [(r, i) for r, i in current.uses()]
+        if len(readers) != 1 or readers[0][0].op_type != "Reshape" or readers[0][1] != 0 \
+                or readers[0][0].graph is not host:
+            return
+        chain.append(readers[0][0])
+        current = readers[0][0].outputs[0]
+        if _same_static_shape(value, current):
+            break
+    if current.is_graph_output():
+        if value.is_graph_output():
+            return
+        name = current.name
+        current.name = f"{name}__replaced"
+        value.name = name
+    current.replace_all_uses_with(value, replace_graph_outputs=True)
+    host.remove(chain, safe=True)
+
+
+def _same_static_shape(a: ir.Value, b: ir.Value) -> bool:
+    return a.shape is not None and b.shape is not None and a.shape.is_static() and b.shape.is_static() \
+        and list(a.shape) == list(b.shape)
 
 
 def _all_names(model: ir.Model) -> set[str]:

@@ -77,10 +77,19 @@ class _Region:
     def __init__(self, rep: Replacement, prefix: str, seed: int):
         self.prefix = prefix
         self.rep = rep
-        old_nodes = _graph_order(rep.region)
-        produced_old = {v for n in old_nodes for v in n.outputs}
         produced_new = {v for n in rep.nodes for v in n.outputs}
-        reads = _reads(old_nodes, produced_old) + _reads(rep.nodes, produced_new)
+        new_reads = _reads(rep.nodes, produced_new)
+        region = set(rep.region)
+        old_reads = _reads(rep.region, {v for n in region for v in n.outputs})
+        # The old side may read values computed outside the region from the new side's inputs (Flatten(X),
+        # Shape(X)): recompute them there, so both sides see the same data.
+        context: list[ir.Node] = []
+        for value in old_reads:
+            if value not in new_reads:
+                _derive(value, set(new_reads), context)
+        old_nodes = _graph_order(context + list(rep.region))
+        produced_old = {v for n in old_nodes for v in n.outputs}
+        reads = _reads(old_nodes, produced_old) + new_reads
         self.inputs, self.constants, seen = [], [], set()
         for value in reads:
             if value in seen:
@@ -127,9 +136,9 @@ class _Region:
             if array is None:
                 raise Unverifiable(f"constant '{value.name}' cannot be read")
             inits.append(onnx.numpy_helper.from_array(array, self.prefix + value.name))
-        for node in nodes:
+        for index, node in enumerate(nodes):
             proto = ir.serde.serialize_node(node)
-            proto.name = self.prefix + (proto.name or "node")
+            proto.name = f"{self.prefix}n{index}"
             proto.input[:] = [self.prefix + n if n else "" for n in proto.input]
             proto.output[:] = [self.prefix + n if n else "" for n in proto.output]
             node_protos.append(proto)
@@ -147,6 +156,21 @@ class _Region:
             key = name + "__f32" if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else name
             out[key] = self.feeds[name]
         return out
+
+
+def _derive(value: ir.Value, known: set, context: list[ir.Node], depth: int = 0) -> bool:
+    """Add to ``context`` the nodes computing ``value`` from ``known`` values and constants, if few enough."""
+    if value in known or is_static(value):
+        return True
+    node = value.producer()
+    if node is None or depth > 4 or node.graph is None or node.attributes.get("body") is not None:
+        return False
+    if node in context:
+        return True
+    if all(v is None or _derive(v, known, context, depth + 1) for v in node.inputs):
+        context.append(node)
+        return True
+    return False
 
 
 def _reads(nodes: Sequence[ir.Node], produced: set) -> list[ir.Value]:

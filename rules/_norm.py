@@ -146,18 +146,34 @@ def _is_one(value: ir.Value) -> bool:
     return array is not None and array.size >= 1 and bool(np.all(array == 1))
 
 
-def expose(ctx: GraphContext, fused_output: ir.Value, old: ir.Value, stash: ir.DataType,
-           nodes: list[ir.Node]) -> ir.Value:
+def expose(ctx: GraphContext, fused_output: ir.Value, old: ir.Value, stash: ir.DataType) -> ir.Value:
     """A statistic of the fused op standing for ``old``, cast to old's dtype when the op computes it in ``stash``."""
     if dtype_of(old) in (None, stash):
         return fused_output
     cast = ctx.node("Cast", [fused_output], {"to": dtype_of(old)}, hint="lnfuse_stat")
-    nodes.append(cast)
+    cast.outputs[0].type = old.type
     return cast.outputs[0]
 
 
-def finish(op_type: str, domain: str, nodes: list[ir.Node], outputs: dict[ir.Value, ir.Value],
-           region: list[ir.Node], attributes: dict, ort_only: bool, opsets: dict[str, int] | None = None,
-           ) -> Replacement:
-    return Replacement(op_type=op_type, domain=domain, nodes=nodes, outputs=outputs, region=region,
-                       attributes=attributes, ort_only=ort_only, opset_imports=opsets or {})
+def finish(op_type: str, domain: str, outputs: dict[ir.Value, ir.Value], region: list[ir.Node], attributes: dict,
+           ort_only: bool, opsets: dict[str, int] | None = None) -> Replacement:
+    """The replacement for ``outputs``: its nodes are every new (not yet placed) node they are computed from."""
+    return Replacement(op_type=op_type, domain=domain, nodes=new_nodes(outputs.values()), outputs=outputs,
+                       region=region, attributes=attributes, ort_only=ort_only, opset_imports=opsets or {})
+
+
+def new_nodes(values) -> list[ir.Node]:
+    order: list[ir.Node] = []
+
+    def visit(node: ir.Node) -> None:
+        if node in order:
+            return
+        for value in node.inputs:
+            if value is not None and value.producer() is not None and value.producer().graph is None:
+                visit(value.producer())
+        order.append(node)
+
+    for value in values:
+        if value.producer() is not None and value.producer().graph is None:
+            visit(value.producer())
+    return order

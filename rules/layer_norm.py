@@ -95,31 +95,30 @@ class LayerNorm(Rule):
             x, y, k, gamma, beta = _unflatten(m, ctx, b)
         else:
             gamma, beta = params(m, ctx, b, k)
-        nodes = []
         mean = kept_dims(m, "mean")
         exposed_mean = [mean] if readers_outside(mean, region) else []
         exposed_inv, absorbed = inverse_std_readers(m, region)
         region += absorbed
-        if m.node("unflatten") is not None:
+        flattened = m.node("unflatten") is not None
+        if flattened:
             _only_reshaped(exposed_mean + exposed_inv, region)
         n_out = 3 if exposed_inv else 2 if exposed_mean else 1
         scale = gamma if gamma is not None else ones_scale(ctx, x, k, b.dtype)
         attrs = {"axis": -k, "epsilon": eps, "stash_type": 1}
         fused = ctx.node(op_type, [x, scale] + ([beta] if beta is not None else []), attrs, num_outputs=n_out,
                          hint=node_name(m.node("mean")))
-        nodes.append(fused)
         fused.outputs[0].type, fused.outputs[0].shape = y.type, y.shape
         outputs = {y: fused.outputs[0]}
         stash = ir.DataType.FLOAT
-        for old in exposed_mean:
-            outputs[old] = expose(ctx, fused.outputs[1], old, stash, nodes)
-        for old in exposed_inv:
-            outputs[old] = expose(ctx, fused.outputs[2], old, stash, nodes)
         for i in range(1, n_out):
             fused.outputs[i].type = ir.TensorType(stash)
             if x.shape is not None:
                 fused.outputs[i].shape = ir.Shape(list(x.shape)[:-k] + [1] * k)
-        return finish(op_type, "", nodes, outputs, region, {"axis": -k, "epsilon": eps}, ort_only)
+        for index, olds in ((1, exposed_mean), (2, exposed_inv)):
+            for old in olds:
+                stat = _as_2d(ctx, fused.outputs[index]) if flattened else fused.outputs[index]
+                outputs[old] = expose(ctx, stat, old, stash)
+        return finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps}, ort_only)
 
 
 def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> tuple[str, bool]:
@@ -136,7 +135,7 @@ def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> tuple[str, bool]:
 def _unflatten(m: Match, ctx: GraphContext, b: Boundary):
     """Prove ``Reshape(norm(Flatten(X, a)), Shape(X))`` is a norm of X over its axes a.., and lay out gamma/beta."""
     flatten, shape = b.x.producer(), m.value("x_shape").producer()
-    if b.y is not m.value("unflatten") or flatten is None or flatten.op_type != "Flatten":
+    if b.y is not m.value("y") or flatten is None or flatten.op_type != "Flatten":
         raise Refusal("shape", "the Reshape after the norm does not undo a Flatten before it")
     x_nd = flatten.inputs[0]
     if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not x_nd or shape.attributes:
@@ -171,6 +170,14 @@ def _flat_param(ctx: GraphContext, value: ir.Value | None, x_nd: ir.Value, k: in
         raise Refusal(what, f"{what} '{value.name}' of the flattened norm cannot be laid out as {dims}")
     laid_out = ctx.constant(np.broadcast_to(array.reshape(-1), (int(np.prod(dims)),)).reshape(dims), what)
     return param_as(ctx, laid_out, x_nd, k, dtype, what)
+
+
+def _as_2d(ctx: GraphContext, stat: ir.Value) -> ir.Value:
+    """The statistic in the [M, 1] layout the flattened norm computed it in."""
+    reshape = ctx.node("Reshape", [stat, ctx.constant(np.array([-1, 1], dtype=np.int64), "stat_2d_shape")],
+                       hint="lnfuse_stat")
+    reshape.outputs[0].type = stat.type
+    return reshape.outputs[0]
 
 
 def _only_reshaped(values: list[ir.Value], region: list[ir.Node]) -> None:

@@ -68,11 +68,11 @@ class RmsNorm(Rule):
         fused = ctx.node(op_type, [b.x, scale], attrs, num_outputs=2 if exposed_inv else 1,
                          hint=node_name(m.node("var")))
         fused.outputs[0].type, fused.outputs[0].shape = b.y.type, b.y.shape
-        nodes, outputs = [fused], {b.y: fused.outputs[0]}
+        outputs = {b.y: fused.outputs[0]}
         for old in exposed_inv:
             fused.outputs[1].type = ir.TensorType(ir.DataType.FLOAT)
-            outputs[old] = expose(ctx, fused.outputs[1], old, ir.DataType.FLOAT, nodes)
-        return finish(op_type, "", nodes, outputs, region, {"axis": -k, "epsilon": eps}, ort_only)
+            outputs[old] = expose(ctx, fused.outputs[1], old, ir.DataType.FLOAT)
+        return finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps}, ort_only)
 
 
 def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> tuple[str, bool]:
