@@ -41,6 +41,7 @@ class _Candidate:
     rule: Rule
     replacement: Replacement
     anchors: list[ir.Node]
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -57,15 +58,17 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
     opsets_used: dict[str, int] = {}
     for scope in scopes(model):
         ctx = GraphContext(scope.graph, scope.opset, options.target, scope.path, names)
+        refusals: list[tuple[Rule, _Pass]] = []
         for rule in options.rules:
             found = find(rule, ctx)
             kept = _verified(found.accepted, model, scope, options, report, found)
             for candidate in kept:
                 apply(scope.graph, candidate.replacement)
                 opsets_used.update(candidate.replacement.opset_imports)
-            _record_refusals(rule, scope, found, report)
+            refusals.append((rule, found))
             if kept:
                 cleanup(scope.graph, kept)
+        _record_refusals(scope, refusals, report)
     for domain, version in opsets_used.items():
         model.opset_imports.setdefault(domain, version)
         for function in model.functions.values():
@@ -138,7 +141,10 @@ def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir
                 for anchor in anchors:
                     found.refused.setdefault(anchor, (refusal, list(m.nodes)))
                 continue
-            return _Candidate(rule, replacement, anchors)
+            # a larger form refused for its gamma/beta means the affine stays outside: say so
+            notes = [found.refused[a][0].detail for a in anchors
+                     if a in found.refused and found.refused[a][0].check in ("gamma", "beta")]
+            return _Candidate(rule, replacement, anchors, notes)
     return None
 
 
@@ -189,17 +195,26 @@ def _record_fused(c: _Candidate, scope: Scope, error: float | None, report: Repo
     report.fused.append(Fused(
         rule=c.rule.name, op_type=rep.op_type, graph=scope.path, nodes=[n.name for n in rep.region],
         attributes=rep.attributes, max_error=None if error is None or math.isnan(error) else error,
-        outputs=[old.name for old in rep.outputs]))
+        outputs=[old.name for old in rep.outputs], notes=c.notes))
     if rep.ort_only:
         report.ort_only = True
 
 
-def _record_refusals(rule: Rule, scope: Scope, found: _Pass, report: Report) -> None:
-    for anchor, (refusal, nodes) in found.refused.items():
-        if anchor.graph is None:  # fused meanwhile by this pass
-            continue
-        report.unfused.append(Unfused(rule=rule.name, graph=scope.path, anchor=f"{anchor.op_type} '{anchor.name}'",
-                                      check=refusal.check, reason=refusal.detail, nodes=[n.name for n in nodes]))
+def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Report) -> None:
+    """One entry per refused candidate still in the graph; where rules disagree on an anchor, the first rule's
+    reason is the one a user needs (a centred norm refused as LayerNormalization is not an RMS near-miss)."""
+    reported: set[ir.Node] = set()
+    for rule, found in passes:
+        by_refusal: dict[int, tuple[Refusal, list[ir.Node], list[ir.Node]]] = {}
+        for anchor, (refusal, nodes) in found.refused.items():
+            if anchor.graph is None or anchor in reported:  # fused by a later rule, or already explained
+                continue
+            by_refusal.setdefault(id(refusal), (refusal, nodes, []))[2].append(anchor)
+        for refusal, nodes, anchors in by_refusal.values():
+            reported.update(anchors)
+            report.unfused.append(Unfused(
+                rule=rule.name, graph=scope.path, anchor=", ".join(f"{a.op_type} '{a.name}'" for a in anchors),
+                check=refusal.check, reason=refusal.detail, nodes=[n.name for n in nodes]))
 
 
 def apply(graph: ir.Graph | ir.Function, rep: Replacement) -> None:

@@ -17,6 +17,7 @@ class Fused:
     attributes: dict
     max_error: float | None
     outputs: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.constants import static_value
+from lnfuse.constants import is_static, static_value
 from lnfuse.pattern import Const, Either, Match, Op, Pattern, attr_value, maybe_cast
 from lnfuse.rule import GraphContext, Refusal
 
@@ -184,8 +184,9 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
                       f"(rank {x_rank})")
     lead, tail = dims[:-k] if len(dims) > k else [], dims[-k:] if k else []
     if any(d != 1 for d in lead):
-        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)}: it varies over the leading axes, "
-                      f"not only the {k} normalized one(s)")
+        # a constant is a near-miss worth reporting; a run-time tensor of full shape is just the next op's operand
+        raise Refusal(what if is_static(source) else "operand", f"{what} '{value.name}' has shape {_fmt(dims)}: it "
+                      f"varies over the leading axes, not only the {k} normalized one(s); left outside the fused op")
     x_tail = list(x.shape)[-k:] if x.shape is not None else [None] * k
     target = []
     for have, want in zip([1] * (k - len(tail)) + tail, x_tail):

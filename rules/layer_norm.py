@@ -12,7 +12,7 @@ from onnxscript import FLOAT, script
 from onnxscript import opset18 as op
 
 from lnfuse.constants import static_value
-from lnfuse.pattern import Const, Either, Match, Op, Var, maybe_cast
+from lnfuse.pattern import Either, Match, Op, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, check_exponent, epsilon, kept_dims, mean_over, node_name, param_as,
                            rank_of, readers_outside, reduced_axes, square, trailing_axes)
@@ -43,7 +43,7 @@ VARIANCE = Either(
     # E[x²] - E[x]²: the ONNX function body of LayerNormalization
     Op("Sub", mean_over(square(X, "xsq"), "var"), square(MEAN, "msq"), name="var_sub"),
 )
-VAR_EPS = Op("Add", VARIANCE, Const("eps"), name="add_eps")
+VAR_EPS = Op("Add", VARIANCE, Var("eps"), name="add_eps")
 NORMALIZED = normalize(D_NUM, VAR_EPS)
 STANDARD = affine(NORMALIZED)
 # the ONNX function body works on Flatten(X, axis) and reshapes back: Reshape(norm2d, Shape(X))
@@ -63,12 +63,13 @@ class LayerNorm(Rule):
     anchors = frozenset({"ReduceMean"})
     patterns = (UNFLATTENED, STANDARD, FOLDED)
     near_misses = (
-        (Op("Div", Op("Sub", Var("a"), Op("ReduceMean", Var("b"), extra_inputs=True)),
-            Op("Add", Op("Sqrt", Var("v")), Const("e"))), "epsilon",
+        (Op("Div", Op("Sub", Var("x"), mean_over(Var("x"), "mean")),
+            Op("Add", Op("Sqrt", mean_over(Var("sq"), "var")), Var("eps"))), "epsilon",
          "epsilon is added outside the square root: (x - mean) / (sqrt(var) + eps)"),
-        (Op("Sub", Op("ReduceMean", Var("x"), extra_inputs=True), Var("x")), "operands",
+        (Op("Sub", mean_over(Var("x"), "mean"), Var("x")), "operands",
          "Sub computes mean - x (operands swapped)"),
-        (Op("Div", Op("Sqrt", Var("v")), Op("Sub", Var("x"), Var("m"))), "operands",
+        (Op("Div", Op("Sqrt", Op("Add", mean_over(Var("sq"), "var"), Var("eps"))),
+            Op("Sub", Var("x"), mean_over(Var("x"), "mean"))), "operands",
          "Div computes sqrt(var + eps) / (x - mean) (operands swapped)"),
     )
 

@@ -10,7 +10,7 @@ import onnx_ir as ir
 from onnxscript import FLOAT, script
 from onnxscript import opset18 as op
 
-from lnfuse.pattern import Const, Match, Op, Var, maybe_cast
+from lnfuse.pattern import Match, Op, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import FLOATS, check_exponent, epsilon, mean_over, node_name, reduced_axes, square, trailing_axes
 from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish,
@@ -29,7 +29,7 @@ def reference(X, Scale, axis: int = -1, epsilon: float = 1e-5):
 
 
 X = maybe_cast(Var("x_in"), cast="cast_in", name="x")
-VAR_EPS = Op("Add", mean_over(square(X, "sq"), "var"), Const("eps"), name="add_eps")
+VAR_EPS = Op("Add", mean_over(square(X, "sq"), "var"), Var("eps"), name="add_eps")
 PATTERN = affine(normalize(maybe_cast(X, cast="d_cast", name="d_num"), VAR_EPS))
 
 

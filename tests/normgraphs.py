@@ -1,0 +1,258 @@
+"""Normalization subgraphs in the spellings exporters write, and near-misses that compute something else.
+
+``Spec`` holds every choice point (op spellings, operand order, Casts, axes forms, ranks, dtypes, symbolic dims);
+``build`` turns a spec into a small model whose graph output is the norm. Tests pick specs by hand; the property
+tests draw them at random.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import onnxruntime as ort
+from onnx import TensorProto
+
+DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
+          "float64": TensorProto.DOUBLE}
+MUTATIONS = ("eps_outside", "exponent3", "sub_swapped", "div_swapped", "axes_leading", "intermediate_read",
+             "gamma_leading", "eps_runtime", "mean_axes_differ")
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: str = "layer"            # "layer" or "rms"
+    opset: int = 17
+    dtype: str = "float32"
+    cast_stats: bool = False       # fp16/bf16: Cast to fp32 for the statistics, back before gamma
+    rank: int = 3
+    k: int = 1                     # number of normalized (trailing) axes
+    positive_axes: bool = False
+    keepdims0: bool = False        # ReduceMean(keepdims=0) + Unsqueeze
+    square: str = "pow"            # pow | mul
+    inverse: str = "div"           # div | recip | div1 | pow_neg_half | pow_neg1
+    eps: float = 1e-5
+    eps_node: bool = False         # Constant node instead of an initializer
+    eps_first: bool = False        # Add(eps, var)
+    gamma: str | None = "1d"       # None | 1d | 11h
+    beta: str | None = "1d"        # None | 1d | 11h
+    gamma_first: bool = False      # Mul(gamma, n)
+    beta_first: bool = False       # Add(beta, scaled)
+    dup_sub: bool = False          # two identical Subs (old PyTorch exports)
+    symbolic: bool = False
+    mutation: str | None = None
+    hidden: int = 8
+
+    def with_(self, **changes) -> "Spec":
+        return replace(self, **changes)
+
+
+class _Builder:
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.n = 0
+
+    def name(self, hint: str) -> str:
+        self.n += 1
+        return f"{hint}_{self.n}"
+
+    def op(self, op_type: str, *inputs: str, **attrs) -> str:
+        out = self.name(op_type.lower())
+        self.nodes.append(oh.make_node(op_type, list(inputs), [out], name=self.name(op_type), **attrs))
+        return out
+
+    def const(self, array: np.ndarray, hint: str, as_node: bool = False) -> str:
+        name = self.name(hint)
+        tensor = onh.from_array(np.asarray(array), name)
+        if as_node:
+            self.nodes.append(oh.make_node("Constant", [], [name], value=tensor, name=self.name("Constant")))
+        else:
+            self.inits.append(tensor)
+        return name
+
+    def scalar(self, value: float, dtype: str, hint: str, as_node: bool = False) -> str:
+        if dtype == "bfloat16":
+            tensor = oh.make_tensor(self.name(hint), TensorProto.BFLOAT16, [], [value])
+            if as_node:
+                self.nodes.append(oh.make_node("Constant", [], [tensor.name], value=tensor, name=self.name("C")))
+            else:
+                self.inits.append(tensor)
+            return tensor.name
+        return self.const(np.array(value, dtype=dtype), hint, as_node)
+
+    def mean(self, x: str, axes: list[int]) -> str:
+        spec = self.spec
+        keep = 0 if spec.keepdims0 else 1
+        if spec.opset >= 18:
+            out = self.op("ReduceMean", x, self.const(np.array(axes, np.int64), "axes"), keepdims=keep)
+        else:
+            out = self.op("ReduceMean", x, axes=axes, keepdims=keep)
+        if spec.keepdims0:
+            if spec.opset >= 13:
+                out = self.op("Unsqueeze", out, self.const(np.array(axes, np.int64), "unsq_axes"))
+            else:
+                out = self.op("Unsqueeze", out, axes=axes)
+        return out
+
+
+def _param(spec: Spec, kind: str | None, rng: np.random.Generator, hint: str, b: _Builder, dtype: str,
+           offset: float) -> str | None:
+    if kind is None:
+        return None
+    h = [spec.hidden] * spec.k
+    shape = {"1d": h, "11h": [1] * (spec.rank - spec.k) + h, "leading": [3] + [1] * (spec.rank - spec.k - 1) + h}[kind]
+    values = (offset + rng.uniform(0.5, 1.5, size=shape)).astype(np.float32)
+    if dtype == "bfloat16":
+        tensor = oh.make_tensor(b.name(hint), TensorProto.BFLOAT16, shape, values.reshape(-1).tolist())
+        b.inits.append(tensor)
+        return tensor.name
+    return b.const(values.astype(dtype), hint)
+
+
+def build(spec: Spec, seed: int = 0) -> onnx.ModelProto:
+    """A model computing the norm described by ``spec`` on input ``X``; output ``Y``."""
+    rng = np.random.default_rng(seed)
+    b = _Builder(spec)
+    mut = spec.mutation
+    dims = ["batch", "seq", "extra"][: spec.rank - spec.k] if spec.symbolic else [3, 2, 4][: spec.rank - spec.k]
+    x_shape = list(dims) + [spec.hidden] * spec.k
+    axes = list(range(spec.rank - spec.k, spec.rank)) if spec.positive_axes else list(range(-spec.k, 0))
+    stats_dtype = "float32" if spec.cast_stats else spec.dtype
+    x = "X"
+    if spec.cast_stats:
+        x = b.op("Cast", x, to=TensorProto.FLOAT)
+    inputs = [oh.make_tensor_value_info("X", DTYPES[spec.dtype], x_shape)]
+
+    if spec.kind == "layer":
+        mean_axes = [0] if mut == "axes_leading" else axes
+        mean = b.mean(x, mean_axes)
+        d = b.op("Sub", mean, x) if mut == "sub_swapped" else b.op("Sub", x, mean)
+        d2 = b.op("Sub", x, mean) if spec.dup_sub else d
+    else:
+        d = d2 = x
+    if spec.square == "pow":
+        exponent = 3.0 if mut == "exponent3" else 2.0
+        sq = b.op("Pow", d, b.scalar(exponent, stats_dtype, "two"))
+    else:
+        sq = b.op("Mul", d, d2)
+    var_axes = [-1] if mut == "mean_axes_differ" and spec.k == 2 else (
+        [0] if mut == "axes_leading" else axes)
+    if mut == "mean_axes_differ" and spec.k == 1:
+        var_axes = list(range(-2, 0))
+    var = b.mean(sq, var_axes)
+    if mut == "eps_runtime":
+        eps = "EPS"
+        inputs.append(oh.make_tensor_value_info("EPS", DTYPES[stats_dtype], []))
+    else:
+        eps = b.scalar(spec.eps, stats_dtype, "eps", spec.eps_node)
+    if mut == "eps_outside":
+        std = b.op("Add", b.op("Sqrt", var), eps)
+        normalized = b.op("Div", d2, std)
+    else:
+        var_eps = b.op("Add", eps, var) if spec.eps_first else b.op("Add", var, eps)
+        inverse = spec.inverse
+        if inverse == "div":
+            std = b.op("Sqrt", var_eps)
+            normalized = b.op("Div", std, d2) if mut == "div_swapped" else b.op("Div", d2, std)
+        else:
+            if inverse == "recip":
+                inv = b.op("Reciprocal", b.op("Sqrt", var_eps))
+            elif inverse == "div1":
+                inv = b.op("Div", b.scalar(1.0, stats_dtype, "one"), b.op("Sqrt", var_eps))
+            elif inverse == "pow_neg1":
+                inv = b.op("Pow", b.op("Sqrt", var_eps), b.scalar(-1.0, stats_dtype, "m1"))
+            else:
+                inv = b.op("Pow", var_eps, b.scalar(-0.5, stats_dtype, "mhalf"))
+            normalized = b.op("Mul", d2, inv)
+    y = normalized
+    if spec.cast_stats:
+        y = b.op("Cast", y, to=DTYPES[spec.dtype])
+    gamma = _param(spec, "leading" if mut == "gamma_leading" else spec.gamma, rng, "gamma", b, spec.dtype, 0.0)
+    if gamma is not None:
+        y = b.op("Mul", gamma, y) if spec.gamma_first else b.op("Mul", y, gamma)
+    beta = _param(spec, spec.beta if spec.kind == "layer" else None, rng, "beta", b, spec.dtype, -1.0)
+    if beta is not None:
+        y = b.op("Add", beta, y) if spec.beta_first else b.op("Add", y, beta)
+    outputs = [oh.make_tensor_value_info(y, DTYPES[spec.dtype], x_shape)]
+    if mut == "intermediate_read":
+        outputs.append(oh.make_tensor_value_info(var, DTYPES[stats_dtype], list(dims) + [1] * spec.k))
+    graph = oh.make_graph(b.nodes, "norm", inputs, outputs, b.inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", spec.opset)])
+    model.ir_version = 8 if spec.opset < 21 else 10
+    onnx.checker.check_model(model)
+    return model
+
+
+# ---- running models -----------------------------------------------------------------------------------------------
+
+def session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def feeds_for(model: onnx.ModelProto, seed: int = 1) -> dict[str, np.ndarray]:
+    """Random inputs with small-variance rows (wrong epsilons show there) and offset rows (wrong centring)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for value in model.graph.input:
+        t = value.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else 3 for d in t.shape.dim]
+        if t.elem_type == TensorProto.BFLOAT16:
+            raise ValueError("feed bf16 models through a Cast wrapper")
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+        data = rng.standard_normal(shape)
+        if shape:
+            # tiny variance and large offset on different rows: together they are ill-conditioned for any kernel
+            scale = np.ones([shape[0]] + [1] * (len(shape) - 1))
+            offset = np.zeros_like(scale)
+            scale.reshape(-1)[1::3] = 1e-3 if dtype == np.float16 else 1e-4
+            offset.reshape(-1)[2::3] = 3.0
+            data = data * scale + offset
+        else:
+            data = np.asarray(1e-5)
+        feeds[value.name] = data.astype(dtype)
+    return feeds
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return session(model).run(None, feeds)
+
+
+def op_types(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+def tolerance(dtype: str) -> dict:
+    return {"float32": dict(atol=1e-4, rtol=1e-3), "float64": dict(atol=1e-9, rtol=1e-7),
+            "float16": dict(atol=1e-2, rtol=1e-2), "bfloat16": dict(atol=6e-2, rtol=3e-2)}[dtype]
+
+
+def with_float_io(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Wrap a bf16 model so numpy can feed and read it: float32 in, Cast, the model, Cast, float32 out."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    casts = []
+    for value in graph.input:
+        if value.type.tensor_type.elem_type == TensorProto.BFLOAT16:
+            inner = value.name + "__bf16"
+            for node in graph.node:
+                node.input[:] = [inner if i == value.name else i for i in node.input]
+            casts.append(oh.make_node("Cast", [value.name], [inner], to=TensorProto.BFLOAT16))
+            value.type.tensor_type.elem_type = TensorProto.FLOAT
+    for value in graph.output:
+        if value.type.tensor_type.elem_type == TensorProto.BFLOAT16:
+            inner = value.name + "__bf16"
+            for node in graph.node:
+                node.output[:] = [inner if o == value.name else o for o in node.output]
+            graph.node.append(oh.make_node("Cast", [inner], [value.name], to=TensorProto.FLOAT))
+            value.type.tensor_type.elem_type = TensorProto.FLOAT
+    nodes = casts + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
