@@ -255,26 +255,21 @@ def apply(graph: ir.Graph | ir.Function, rep: Replacement) -> None:
 
 
 def cleanup(graph: ir.Graph | ir.Function, kept: list[_Candidate]) -> None:
-    """Remove what the rewrites left dead: producers of the region's inputs and initializers nobody reads, and
-    Reshapes that now reshape a fused output to the shape it already has."""
+    """Remove Reshapes that now give a fused output the shape it already has, then every node and initializer
+    nothing reads (the shape bookkeeping of the removed regions, Constants of epsilon...). Only graphs lnfuse
+    rewrote are swept, and nothing that computes a graph output is touched."""
     host = graph.graph if isinstance(graph, ir.Function) else graph
     for c in kept:
-        for new in c.replacement.outputs.values():
-            _bypass_identity_reshapes(host, new)
-    work = [v for c in kept for n in c.replacement.region for v in n.inputs if v is not None]
-    while work:
-        value = work.pop()
-        if value.uses() or value.is_graph_output() or value.is_graph_input():
-            continue
-        producer = value.producer()
-        if producer is None:
-            if value.name in host.initializers and host.initializers[value.name] is value:
-                del host.initializers[value.name]
-            continue
-        if producer.graph is host and not any(o.uses() or o.is_graph_output() for o in producer.outputs) \
-                and not producer.attributes.get("__side_effect__"):
-            work.extend(v for v in producer.inputs if v is not None)
-            host.remove(producer, safe=True)
+        for node in c.replacement.nodes:
+            for new in node.outputs:
+                _bypass_identity_reshapes(host, new)
+    for node in reversed(list(host)):
+        if not any(out.uses() or out.is_graph_output() for out in node.outputs):
+            host.remove(node, safe=True)
+    if not isinstance(graph, ir.Function):
+        for name, value in list(host.initializers.items()):
+            if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
+                del host.initializers[name]
 
 
 def _bypass_identity_reshapes(host: ir.Graph, value: ir.Value) -> None:
