@@ -19,6 +19,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from lnfuse.errors import InputError, OutputError
+from lnfuse.shapes import infer_function_types
 
 #: ONNX Runtime 1.31 reads IR versions up to 13
 MAX_IR_VERSION = 13
@@ -115,6 +116,7 @@ def load(source: str | os.PathLike | onnx.ModelProto) -> Loaded:
     except Exception as exc:  # noqa: BLE001 - shape inference is a help, not a requirement
         inferred, error = proto, str(exc).splitlines()[0]
     model = ir.serde.deserialize_model(inferred)
+    infer_function_types(model)
     if path is not None:
         ir.external_data.set_base_dir(model.graph, path.parent)
     return Loaded(model, path, declared, has_external, error)

@@ -135,6 +135,11 @@ def readers_outside(value: ir.Value, region: Iterable[ir.Node]) -> list[ir.Node]
     return [user for user, _ in value.uses() if user not in inside]
 
 
+def read_outside(value: ir.Value, region: Iterable[ir.Node]) -> bool:
+    """Whether anything but the region sees the value: another node, or the graph's outputs."""
+    return value.is_graph_output() or bool(readers_outside(value, region))
+
+
 def node_name(node: ir.Node | None) -> str:
     return "?" if node is None else (node.name or node.op_type)
 

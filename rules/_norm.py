@@ -15,7 +15,7 @@ import onnx_ir as ir
 from lnfuse.constants import static_value
 from lnfuse.pattern import Const, Either, Match, Op, Pattern, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement
-from ._common import (FLOATS, cast_target, dtype_of, is_widening, node_name, param_as, readers_outside,
+from ._common import (FLOATS, cast_target, dtype_of, is_widening, node_name, param_as, read_outside, readers_outside,
                            scalar)
 
 
@@ -90,7 +90,7 @@ def boundaries(m: Match) -> list[Boundary]:
     x_choices = [(x_inner, [])]
     if cast_in is not None:
         fold_ok = is_widening(dtype_of(cast_in.inputs[0]), cast_target(cast_in)) and \
-            not readers_outside(x_inner, region)
+            not read_outside(x_inner, region)
         x_choices = ([(cast_in.inputs[0], [])] if fold_ok else []) + [(x_inner, [cast_in])]
     y_choices = [(y_outer, [])]
     if cast_out is not None:
@@ -130,7 +130,7 @@ def inverse_std_readers(m: Match, region: list[ir.Node]) -> tuple[list[ir.Value]
     """
     exposed, absorbed = [], []
     inv = m.value("inv_std")
-    if inv is not None and readers_outside(inv, region):
+    if inv is not None and read_outside(inv, region):
         exposed.append(inv)
     std = m.value("std")
     for reader in readers_outside(std, region) if std is not None else []:

@@ -14,7 +14,7 @@ from onnxscript import opset18 as op
 from lnfuse.constants import static_value
 from lnfuse.pattern import Either, Match, Op, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
-from ._common import (FLOATS, check_exponent, epsilon, kept_dims, mean_over, node_name, param_as,
+from ._common import (FLOATS, check_exponent, epsilon, kept_dims, mean_over, node_name, param_as, read_outside,
                            rank_of, readers_outside, reduced_axes, square, trailing_axes)
 from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish,
                          inverse_std, inverse_std_readers, normalize, ones_scale, params)
@@ -97,7 +97,7 @@ class LayerNorm(Rule):
         else:
             gamma, beta = params(m, ctx, b, k)
         mean = kept_dims(m, "mean")
-        exposed_mean = [mean] if readers_outside(mean, region) else []
+        exposed_mean = [mean] if read_outside(mean, region) else []
         exposed_inv, absorbed = inverse_std_readers(m, region)
         region += absorbed
         flattened = m.node("unflatten") is not None

@@ -1,0 +1,61 @@
+"""Types and shapes for the values the checks look at.
+
+onnx's shape inference covers the main graph and its subgraphs. Model-local function bodies carry no types, so
+each function is inferred once as a small graph whose inputs take the types of its first call site.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+
+
+def infer_function_types(model: ir.Model) -> None:
+    """Give the values inside model-local functions the types and shapes of their first call."""
+    calls = _first_calls(model)
+    for key, function in model.functions.items():
+        call = calls.get(key)
+        if call is None or function.attributes:
+            continue  # never called, or attribute-parametric: the body's types depend on the call
+        inputs = []
+        for formal, actual in zip(function.inputs, call.inputs):
+            if actual is None or actual.type is None:
+                break
+            inputs.append(ir.serde.serialize_value(actual, name=formal.name))
+        else:
+            _infer_body(model, function, inputs)
+
+
+def _first_calls(model: ir.Model) -> dict:
+    calls = {}
+    graphs = [model.graph, *model.functions.values()]
+    for graph in graphs:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            key = (node.domain, node.op_type, node.overload)
+            if key in model.functions and key not in calls:
+                calls[key] = node
+    return calls
+
+
+def _infer_body(model: ir.Model, function: ir.Function, inputs: list) -> None:
+    body = ir.serde.serialize_function(function)
+    graph = onnx.helper.make_graph(list(body.node), "body", inputs,
+                                   [onnx.helper.make_value_info(o, onnx.TypeProto()) for o in body.output])
+    opsets = [onnx.helper.make_opsetid(d, v) for d, v in {**model.opset_imports, **function.opset_imports}.items()]
+    probe = onnx.helper.make_model(graph, opset_imports=opsets)
+    probe.ir_version = model.ir_version
+    try:
+        inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True).graph
+    except Exception:  # noqa: BLE001 - without types the checks refuse and say why
+        return
+    found = {v.name: v.type for v in list(inferred.value_info) + list(inferred.input)}
+    values = {v.name: v for v in function.inputs}
+    for node in function:
+        values.update({v.name: v for v in node.outputs})
+    for name, type_proto in found.items():
+        value = values.get(name)
+        if value is None or not type_proto.tensor_type.elem_type:
+            continue
+        value.type = ir.TensorType(ir.DataType(type_proto.tensor_type.elem_type))
+        if type_proto.tensor_type.HasField("shape"):
+            value.shape = ir.serde.deserialize_type_proto_for_shape(type_proto)
