@@ -1,0 +1,164 @@
+"""The command line as a user meets it: summary, report, explain, and one clear line for bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from normgraphs import Spec, build
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
+
+
+def lnfuse(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lnfuse.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def model_path(tmp_path: Path) -> Path:
+    path = tmp_path / "model.onnx"
+    onnx.save(build(Spec(opset=17)), path)
+    return path
+
+
+def test_fuse_prints_summary_writes_output_and_report(model_path: Path, tmp_path: Path):
+    before = _digest(model_path)
+    out, report = tmp_path / "fused.onnx", tmp_path / "report.json"
+    proc = lnfuse(str(model_path), "-o", str(out), "--report", str(report))
+    assert proc.returncode == 0, proc.stderr
+    assert "LayerNormalization" in proc.stdout and "worst verified error" in proc.stdout
+    assert "nodes:" in proc.stdout and "time:" in proc.stdout
+    assert _digest(model_path) == before, "the input is never modified"
+    fused = onnx.load(out)
+    onnx.checker.check_model(fused, full_check=True)
+    assert [n.op_type for n in fused.graph.node] == ["LayerNormalization"]
+    data = json.loads(report.read_text())
+    assert data["fused_counts"] == {"LayerNormalization": 1}
+    assert data["ops_before"]["ReduceMean"] == 2 and "ReduceMean" not in data["ops_after"]
+    assert not list(tmp_path.glob(".*lnfuse-tmp")), "no temporary files left behind"
+
+
+def test_quiet_and_json(model_path: Path, tmp_path: Path):
+    quiet = lnfuse(str(model_path), "-o", str(tmp_path / "a.onnx"), "-q")
+    assert quiet.returncode == 0 and quiet.stdout == ""
+    as_json = lnfuse(str(model_path), "-o", str(tmp_path / "b.onnx"), "--json")
+    assert json.loads(as_json.stdout)["fused"][0]["op_type"] == "LayerNormalization"
+
+
+def test_explain_lists_fused_and_refused_candidates(tmp_path: Path):
+    path = tmp_path / "m.onnx"
+    onnx.save(build(Spec(mutation="exponent3")), path)
+    proc = lnfuse("explain", str(path))
+    assert proc.returncode == 0
+    assert "LEFT" in proc.stdout and "raises to 3" in proc.stdout
+
+
+def test_target_onnx_and_upgrade(tmp_path: Path):
+    path, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(build(Spec(opset=14)), path)
+    plain = lnfuse(str(path), "-o", str(out), "--target", "onnx")
+    assert plain.returncode == 0 and "--upgrade-opset" in plain.stdout
+    upgraded = lnfuse(str(path), "-o", str(out), "--target", "onnx", "--upgrade-opset")
+    assert upgraded.returncode == 0, upgraded.stderr
+    model = onnx.load(out)
+    assert model.opset_import[0].version == 17
+    onnx.checker.check_model(model, full_check=True)
+
+
+def test_verify_model_reports_whole_model_difference(tmp_path: Path):
+    out = tmp_path / "o.onnx"
+    proc = lnfuse(str(SAMPLES / "bert_tiny_legacy_op14.onnx"), "-o", str(out), "--verify", "model")
+    assert proc.returncode == 0, proc.stderr
+    assert "whole-model check: agree" in proc.stdout
+
+
+def _bad_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    text = tmp_path / "text.onnx"
+    text.write_text("this is not a model\n" * 10)
+    good = build(Spec()).SerializeToString()
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(good[: len(good) // 2])
+    newer = build(Spec())
+    newer.ir_version = 99
+    too_new = tmp_path / "ir99.onnx"
+    too_new.write_bytes(newer.SerializeToString())
+    invalid = build(Spec())
+    invalid.graph.node[0].input[0] = "no_such_value"
+    broken = tmp_path / "invalid.onnx"
+    broken.write_bytes(invalid.SerializeToString())
+    return {
+        "missing": (tmp_path / "nope.onnx", "no such file"),
+        "empty": (empty, "empty"),
+        "not_onnx": (text, "not a readable ONNX model"),
+        "truncated": (truncated, "not a readable ONNX model"),
+        "ir_too_new": (too_new, "IR version 99"),
+        "invalid_graph": (broken, "fails the ONNX checker"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "not_onnx", "truncated", "ir_too_new", "invalid_graph"])
+def test_bad_input_gets_one_line_and_exit_2(tmp_path: Path, case: str):
+    path, words = _bad_inputs(tmp_path)[case]
+    before = _digest(path) if path.exists() else None
+    out = tmp_path / "out.onnx"
+    proc = lnfuse(str(path), "-o", str(out))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not out.exists()
+    if before is not None:
+        assert _digest(path) == before
+
+
+def test_missing_external_data_file(tmp_path: Path):
+    model = build(Spec(hidden=64))
+    onnx.save(model, tmp_path / "ext.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="ext.data", size_threshold=0)
+    (tmp_path / "ext.data").unlink()
+    proc = lnfuse(str(tmp_path / "ext.onnx"), "-o", str(tmp_path / "out.onnx"))
+    assert proc.returncode == 2 and "ext.data" in proc.stderr and "missing" in proc.stderr
+
+
+def test_output_over_input_is_refused_without_in_place(model_path: Path):
+    before = _digest(model_path)
+    proc = lnfuse(str(model_path), "-o", str(model_path))
+    assert proc.returncode == 2 and "--in-place" in proc.stderr
+    assert _digest(model_path) == before
+    assert lnfuse(str(model_path), "-o", str(model_path), "--in-place").returncode == 0
+    assert [n.op_type for n in onnx.load(model_path).graph.node] == ["LayerNormalization"]
+
+
+def test_unwritable_output_folder(model_path: Path, tmp_path: Path):
+    proc = lnfuse(str(model_path), "-o", str(tmp_path / "no" / "such" / "dir" / "o.onnx"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_unknown_rule_is_a_usage_error(model_path: Path, tmp_path: Path):
+    proc = lnfuse(str(model_path), "-o", str(tmp_path / "o.onnx"), "--only", "bogus")
+    assert proc.returncode == 2 and "unknown rule 'bogus'" in proc.stderr
+
+
+def test_external_data_stays_external(tmp_path: Path):
+    model = build(Spec(hidden=256))
+    src = tmp_path / "ext.onnx"
+    onnx.save(model, src, save_as_external_data=True, all_tensors_to_one_file=True, location="ext.data",
+              size_threshold=0)
+    out = tmp_path / "out.onnx"
+    proc = lnfuse(str(src), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out.onnx.data").exists()
+    proto = onnx.load(out, load_external_data=False)
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+    assert proto.ir_version == model.ir_version
