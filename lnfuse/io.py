@@ -19,7 +19,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from lnfuse.errors import InputError, OutputError
-from lnfuse.shapes import infer_function_types
+from lnfuse.shapes import infer_function_types, infer_shapes
 
 #: ONNX Runtime 1.31 reads IR versions up to 13
 MAX_IR_VERSION = 13
@@ -110,11 +110,7 @@ def load(source: str | os.PathLike | onnx.ModelProto) -> Loaded:
     validate(proto, where, path)
     declared = _value_info_names(proto.graph, set())
     has_external = bool(_external_tensors(proto))
-    error = None
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
-    except Exception as exc:  # noqa: BLE001 - shape inference is a help, not a requirement
-        inferred, error = proto, str(exc).splitlines()[0]
+    inferred, error = infer_shapes(proto)
     model = ir.serde.deserialize_model(inferred)
     infer_function_types(model)
     if path is not None:

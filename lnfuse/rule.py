@@ -17,6 +17,9 @@ import onnx_ir as ir
 
 from lnfuse.pattern import Match, Pattern
 
+#: meta key on a new node's output that stays an absent optional output ("" in the saved model)
+ABSENT = "lnfuse.absent"
+
 ORT_ONLY_OPS_NOTE = "uses ONNX Runtime-only ops: onnx.checker will reject it, ONNX Runtime loads it"
 
 
@@ -90,6 +93,8 @@ class Rule(abc.ABC):
     name: str
     #: op types whose nodes mark a normalization-like candidate (reported when left unfused)
     anchors: frozenset[str]
+    #: the targets this rule writes for (contrib ops only for ONNX Runtime)
+    targets: frozenset[str] = frozenset({"ort", "onnx"})
     #: alternatives tried at every node, in order; the first match whose checks pass is used
     patterns: Sequence[Pattern]
     #: (pattern, reason): shapes that look like this family but compute something else, for the report

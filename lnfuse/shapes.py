@@ -6,8 +6,45 @@ each function is inferred once as a small graph whose inputs take the types of i
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+
 import onnx
 import onnx_ir as ir
+
+
+def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+    """The model with value_info for as many values as can be inferred, and the error if inference failed.
+
+    ONNX Runtime's symbolic shape inference comes first: it keeps symbolic dims consistent through Reshape and
+    Shape arithmetic (the residual rule must prove two addends have the same shape), where onnx's invents a new
+    ``unk__`` dim per value. onnx's inference is the fallback.
+    """
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    for auto_merge in (False, True):
+        with contextlib.suppress(Exception), _quiet():
+            inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=auto_merge, guess_output_rank=False)
+            if inferred is not None:
+                return inferred, None
+    try:
+        return onnx.shape_inference.infer_shapes(proto, data_prop=True), None
+    except Exception as exc:  # noqa: BLE001 - shape inference is a help, not a requirement
+        return proto, str(exc).splitlines()[0]
+
+
+@contextlib.contextmanager
+def _quiet():
+    # the symbolic inference prints and logs freely on models it cannot finish
+    logger = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def infer_function_types(model: ir.Model) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from lnfuse.rule import Rule
 
-from . import layer_norm, rms_norm
+from . import layer_norm, rms_norm, skip_norm
 
 
 def all_rules() -> tuple[Rule, ...]:
-    return (layer_norm.RULE, rms_norm.RULE)
+    return (layer_norm.RULE, rms_norm.RULE, skip_norm.RULE)
