@@ -68,7 +68,21 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None = None) -> No
         onnx.checker.check_model(str(path) if path is not None else proto)
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as error:
         first = str(error).strip().splitlines()[0]
-        raise InputError(f"{where}: fails the ONNX checker ({first}); fix or re-export the model") from None
+        if not _is_ort_only_op(first):
+            raise InputError(f"{where}: fails the ONNX checker ({first}); fix or re-export the model") from None
+
+
+def _is_ort_only_op(message: str) -> bool:
+    """The checker rejects the ops ONNX Runtime registers in the default domain (e.g. a model lnfuse fused with
+    --target ort); such a model is still valid input."""
+    import re
+
+    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+
+    found = re.search(r"No Op registered for (\w+) with domain_version", message)
+    if found is None:
+        return False
+    return any(s.name == found.group(1) and s.domain == "" for s in get_all_operator_schema())
 
 
 def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:

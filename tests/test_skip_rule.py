@@ -1,0 +1,138 @@
+"""Residual + norm becomes SkipLayerNormalization / SkipSimplifiedLayerNormalization where the kernel computes
+exactly the same, with the residual sum exposed when something else reads it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import pytest
+from onnx import TensorProto
+
+import lnfuse
+from normgraphs import feeds_for, op_types, run
+
+H = 8
+
+
+def _model(adds: list[tuple[str, str, str]], norm: str = "LayerNormalization", shapes: dict | None = None,
+           extra_outputs: tuple[str, ...] = (), extra_nodes: tuple = (), dtype=np.float32, opset: int = 17,
+           norm_attrs: dict | None = None, rank: int = 3) -> onnx.ModelProto:
+    """Graph inputs ``a``/``b`` (plus any in ``shapes``), the given Adds, then ``norm`` of the last sum."""
+    rng = np.random.default_rng(0)
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    full = [2, 3, H][-rank:] if rank <= 3 else [2, 2, 3, H]
+    shapes = {"a": full, "b": full, **(shapes or {})}
+    inputs = [oh.make_tensor_value_info(n, elem, s) for n, s in shapes.items()]
+    inits = [onh.from_array(rng.uniform(0.5, 1.5, H).astype(dtype), "gamma"),
+             onh.from_array(rng.normal(size=H).astype(dtype), "beta"),
+             onh.from_array(rng.normal(size=H).astype(dtype), "bias")]
+    nodes = [oh.make_node("Add", [x, y], [out]) for x, y, out in adds]
+    last = adds[-1][2]
+    norm_inputs = [last, "gamma"] + (["beta"] if norm == "LayerNormalization" else [])
+    nodes.append(oh.make_node(norm, norm_inputs, ["Y"], **({"epsilon": 1e-6} if norm_attrs is None else norm_attrs)))
+    nodes.extend(extra_nodes)
+    outputs = [oh.make_tensor_value_info("Y", elem, full)]
+    outputs += [oh.make_tensor_value_info(o, elem, full) for o in extra_outputs]
+    model = oh.make_model(oh.make_graph(nodes, "skip", inputs, outputs, inits),
+                          opset_imports=[oh.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model
+
+
+def _fused(model: onnx.ModelProto, expect: str) -> onnx.NodeProto:
+    result = lnfuse.fuse(model)
+    nodes = [n for n in result.model.graph.node if n.op_type == expect]
+    assert len(nodes) == 1, (op_types(result.model), result.report.unfused)
+    assert nodes[0].domain == "com.microsoft"
+    assert any(o.domain == "com.microsoft" and o.version == 1 for o in result.model.opset_import)
+    feeds = feeds_for(model)
+    for want, got in zip(run(model, feeds), run(result.model, feeds)):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+    return nodes[0]
+
+
+def _eps(node: onnx.NodeProto) -> float:
+    return next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon")
+
+
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")])
+def test_post_norm(order):
+    node = _fused(_model([(*order, "s")]), "SkipLayerNormalization")
+    assert list(node.input[:4]) == [*order, "gamma", "beta"]
+    assert _eps(node) == pytest.approx(1e-6)
+    assert len(node.output) == 1
+
+
+def test_epsilon_is_written_even_when_the_norm_used_its_default():
+    node = _fused(_model([("a", "b", "s")], norm_attrs={}), "SkipLayerNormalization")
+    assert _eps(node) == pytest.approx(1e-5), "LayerNormalization's default, not the contrib op's 1e-12"
+
+
+def test_bias_before_the_residual():
+    node = _fused(_model([("a", "bias", "ab"), ("ab", "b", "s")]), "SkipLayerNormalization")
+    assert node.input[4] == "bias"
+
+
+def test_bias_after_the_residual():
+    node = _fused(_model([("a", "b", "ab"), ("ab", "bias", "s")]), "SkipLayerNormalization")
+    assert node.input[4] == "bias"
+
+
+def test_pre_norm_sum_read_later_comes_from_output_3():
+    later = oh.make_node("Add", ["s", "Y"], ["next"])
+    model = _model([("a", "b", "s")], extra_nodes=(later,), extra_outputs=("next",))
+    node = _fused(model, "SkipLayerNormalization")
+    assert len(node.output) == 4 and node.output[1] == node.output[2] == ""
+    fused = lnfuse.fuse(model).model
+    reader = next(n for n in fused.graph.node if n.op_type == "Add")
+    assert node.output[3] in reader.input
+
+
+def test_sum_that_is_a_graph_output_keeps_its_name():
+    node = _fused(_model([("a", "b", "s")], extra_outputs=("s",)), "SkipLayerNormalization")
+    assert node.output[3] == "s"
+
+
+@pytest.mark.parametrize("skip_shape", [[1, 3, H], [3, H]])
+def test_broadcast_skip_the_kernel_accepts(skip_shape):
+    node = _fused(_model([("a", "b", "s")], shapes={"b": skip_shape}), "SkipLayerNormalization")
+    assert list(node.input[:2]) == ["a", "b"]
+
+
+def test_skip_op_on_2d_input():
+    _fused(_model([("a", "b", "s")], rank=2), "SkipLayerNormalization")
+
+
+@pytest.mark.parametrize("case, check", [
+    (dict(shapes={"b": [2, 1, H]}), "shape"),
+    (dict(rank=4), "shape"),
+    (dict(dtype=np.float64), "dtype"),
+    (dict(norm_attrs={"axis": -2, "epsilon": 1e-5}), "axes"),
+])
+def test_refused_where_the_kernel_differs(case, check):
+    model = _model([("a", "b", "s")], **case)
+    result = lnfuse.fuse(model)
+    assert not any(op.startswith("Skip") for op in op_types(result.model))
+    assert any(u.rule == "skip_norm" and u.check == check for u in result.report.unfused), result.report.unfused
+
+
+@pytest.mark.parametrize("norm, opset", [("SimplifiedLayerNormalization", 17), ("RMSNormalization", 23)])
+def test_rms_norms_become_skip_simplified(norm, opset):
+    node = _fused(_model([("a", "bias", "ab"), ("ab", "b", "s")], norm=norm, opset=opset),
+                  "SkipSimplifiedLayerNormalization")
+    assert list(node.input) == ["a", "b", "gamma", "bias"]
+
+
+def test_inner_sum_read_elsewhere_keeps_the_bias_add_outside():
+    other = oh.make_node("Relu", ["ab"], ["r"])
+    model = _model([("a", "bias", "ab"), ("ab", "b", "s")], extra_nodes=(other,), extra_outputs=("r",))
+    node = _fused(model, "SkipLayerNormalization")
+    assert "ab" in node.input[:2] and len(node.input) == 4
+
+
+def test_target_onnx_keeps_add_and_layer_norm():
+    result = lnfuse.fuse(_model([("a", "b", "s")]), target="onnx")
+    assert op_types(result.model) == ["Add", "LayerNormalization"]
+    onnx.checker.check_model(result.model, full_check=True)
