@@ -7,8 +7,9 @@
 """
 
 from lnfuse.api import FuseResult, fuse
+from lnfuse.decompose import decompose
 from lnfuse.errors import InputError, LnfuseError, OutputError, UsageError
 from lnfuse.report import Report
 
-__all__ = ["fuse", "FuseResult", "Report", "LnfuseError", "InputError", "OutputError", "UsageError"]
+__all__ = ["fuse", "decompose", "FuseResult", "Report", "LnfuseError", "InputError", "OutputError", "UsageError"]
 __version__ = "0.1.0"

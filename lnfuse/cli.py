@@ -2,6 +2,7 @@
 
     lnfuse model.onnx -o fused.onnx [options]     fuse (the default command)
     lnfuse explain model.onnx                     every candidate, fused or not, and why
+    lnfuse decompose fused.onnx -o plain.onnx     fused norm ops back into primitive ONNX ops
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from lnfuse.api import TARGETS, fuse
+from lnfuse.decompose import decompose
 from lnfuse.errors import LnfuseError, UsageError
 
-COMMANDS = ("fuse", "explain")
+COMMANDS = ("fuse", "explain", "decompose")
 
 
 def _rules(text: str | None) -> list[str] | None:
@@ -38,6 +40,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"lnfuse{'' if command == 'fuse' else ' ' + command}",
                                      description="Verified normalization fusion for ONNX models.")
+    if command == "decompose":
+        parser.add_argument("model", help="input .onnx file (never modified)")
+        parser.add_argument("-o", "--output", required=True, help="where to write the decomposed model")
+        parser.add_argument("--no-verify", action="store_true", help="skip the per-rewrite check in ONNX Runtime")
+        parser.add_argument("--in-place", action="store_true", help="allow the output to be the input file")
+        parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+        return parser
     _common(parser)
     if command == "fuse":
         parser.add_argument("-o", "--output", required=True, help="where to write the fused model")
@@ -68,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(command: str, args: argparse.Namespace) -> int:
+    if command == "decompose":
+        result = decompose(args.model, verify_rewrites=not args.no_verify)
+        result.save(args.output, in_place=args.in_place)
+        if not args.quiet:
+            print(result.report.summary())
+            print(f"  wrote {args.output}")
+        return 0
     inputs = None
     if getattr(args, "inputs", None):
         try:
@@ -82,6 +98,10 @@ def _run(command: str, args: argparse.Namespace) -> int:
     if command == "explain":
         print(report.to_json() if args.json else report.explain())
         return 0
+    if report.model_check is not None and not report.model_check["ok"]:
+        print(f"lnfuse: error: the fused model differs from the original ({report.model_check['summary']}); "
+              "nothing was written, please report this model", file=sys.stderr)
+        return 1
     result.save(args.output, in_place=args.in_place)
     if args.report:
         Path(args.report).write_text(report.to_json())
@@ -90,10 +110,6 @@ def _run(command: str, args: argparse.Namespace) -> int:
     elif not args.quiet:
         print(report.summary(verbose=args.verbose))
         print(f"  wrote {args.output}")
-    if report.model_check is not None and not report.model_check["ok"]:
-        print(f"lnfuse: error: the fused model differs from the original: {report.model_check['summary']}",
-              file=sys.stderr)
-        return 1
     return 0
 
 

@@ -19,19 +19,34 @@ def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
 
     ONNX Runtime's symbolic shape inference comes first: it keeps symbolic dims consistent through Reshape and
     Shape arithmetic (the residual rule must prove two addends have the same shape), where onnx's invents a new
-    ``unk__`` dim per value. onnx's inference is the fallback.
+    ``unk__`` dim per value. onnx's inference then fills in what the symbolic pass left open.
     """
+    partial = _symbolic(proto) or proto
+    try:
+        return onnx.shape_inference.infer_shapes(partial, data_prop=True), None
+    except Exception as exc:  # noqa: BLE001 - shape inference is a help, not a requirement
+        if partial is not proto:
+            return partial, None
+        return proto, str(exc).splitlines()[0]
+
+
+def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """ORT's symbolic inference, keeping partial results. Its public entry point writes a file into the working
+    directory when a node cannot be inferred, so the loop it runs is run here instead."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-    for auto_merge in (False, True):
-        with contextlib.suppress(Exception), _quiet():
-            inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=auto_merge, guess_output_rank=False)
-            if inferred is not None:
-                return inferred, None
+    if not any(i.domain in ("", "ai.onnx") and i.version >= 7 for i in proto.opset_import):
+        return None
     try:
-        return onnx.shape_inference.infer_shapes(proto, data_prop=True), None
-    except Exception as exc:  # noqa: BLE001 - shape inference is a help, not a requirement
-        return proto, str(exc).splitlines()[0]
+        with _quiet():
+            inference = SymbolicShapeInference(2**31 - 1, True, False, 0)
+            inference._preprocess(proto)
+            while inference.run_:
+                inference._infer_impl()
+            inference._update_output_from_vi()
+            return inference.out_mp_
+    except Exception:  # noqa: BLE001 - many internal failure types; onnx's inference is the fallback
+        return None
 
 
 @contextlib.contextmanager

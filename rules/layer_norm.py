@@ -22,15 +22,17 @@ from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inver
 
 @script(default_opset=op)
 def reference(X, Scale, B, axis: int = -1, epsilon: float = 1e-5):
-    """LayerNormalization-17 with stash_type=1 (statistics in float32), for a negative ``axis``."""
+    """LayerNormalization-17 with stash_type=1 (statistics in float32), for a negative ``axis``:
+    (Y, Mean, InvStdDev)."""
     axes = op.Range(op.Constant(value_int=axis), op.Constant(value_int=0), op.Constant(value_int=1))
     xf = op.Cast(X, to=FLOAT.dtype)
     mean = op.ReduceMean(xf, axes)
     d = op.Sub(xf, mean)
     var = op.ReduceMean(op.Mul(d, d), axes)
     eps = op.CastLike(op.Constant(value_float=epsilon), var)
-    normalized = op.Div(d, op.Sqrt(op.Add(var, eps)))
-    return op.Add(op.Mul(op.CastLike(normalized, X), Scale), B)
+    std = op.Sqrt(op.Add(var, eps))
+    normalized = op.Div(d, std)
+    return op.Add(op.Mul(op.CastLike(normalized, X), Scale), B), mean, op.Reciprocal(std)
 
 
 # ---- the math, as patterns --------------------------------------------------------------------------------------

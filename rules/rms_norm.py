@@ -19,13 +19,14 @@ from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inver
 
 @script(default_opset=op)
 def reference(X, Scale, axis: int = -1, epsilon: float = 1e-5):
-    """RMSNormalization-23 / SimplifiedLayerNormalization with stash_type=1, for a negative ``axis``."""
+    """RMSNormalization-23 / SimplifiedLayerNormalization with stash_type=1, for a negative ``axis``:
+    (Y, inverse RMS)."""
     axes = op.Range(op.Constant(value_int=axis), op.Constant(value_int=0), op.Constant(value_int=1))
     xf = op.Cast(X, to=FLOAT.dtype)
     mean_square = op.ReduceMean(op.Mul(xf, xf), axes)
     eps = op.CastLike(op.Constant(value_float=epsilon), mean_square)
-    normalized = op.Div(xf, op.Sqrt(op.Add(mean_square, eps)))
-    return op.Mul(op.CastLike(normalized, X), Scale)
+    rms = op.Sqrt(op.Add(mean_square, eps))
+    return op.Mul(op.CastLike(op.Div(xf, rms), X), Scale), op.Reciprocal(rms)
 
 
 X = maybe_cast(Var("x_in"), cast="cast_in", name="x")

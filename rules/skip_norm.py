@@ -26,7 +26,7 @@ _RMS = ("SimplifiedLayerNormalization", "RMSNormalization")
 
 @script(default_opset=op)
 def reference(input, skip, gamma, beta, bias, epsilon: float = 1e-12):
-    """SkipLayerNormalization: (y, input + skip + bias); statistics in float32."""
+    """SkipLayerNormalization: (y, mean, inv_std_var, input + skip + bias); statistics in float32."""
     s = op.Add(op.Add(input, skip), bias)
     sf = op.Cast(s, to=FLOAT.dtype)
     axes = op.Constant(value_ints=[-1])
@@ -34,19 +34,21 @@ def reference(input, skip, gamma, beta, bias, epsilon: float = 1e-12):
     d = op.Sub(sf, mean)
     var = op.ReduceMean(op.Mul(d, d), axes)
     eps = op.CastLike(op.Constant(value_float=epsilon), var)
-    normalized = op.CastLike(op.Div(d, op.Sqrt(op.Add(var, eps))), input)
-    return op.Add(op.Mul(normalized, gamma), beta), s
+    std = op.Sqrt(op.Add(var, eps))
+    normalized = op.CastLike(op.Div(d, std), input)
+    return op.Add(op.Mul(normalized, gamma), beta), mean, op.Reciprocal(std), s
 
 
 @script(default_opset=op)
 def reference_simplified(input, skip, gamma, bias, epsilon: float = 1e-12):
-    """SkipSimplifiedLayerNormalization: (y, input + skip + bias); statistics in float32."""
+    """SkipSimplifiedLayerNormalization: (y, inv_std_var, input + skip + bias); statistics in float32."""
     s = op.Add(op.Add(input, skip), bias)
     sf = op.Cast(s, to=FLOAT.dtype)
     mean_square = op.ReduceMean(op.Mul(sf, sf), op.Constant(value_ints=[-1]))
     eps = op.CastLike(op.Constant(value_float=epsilon), mean_square)
-    normalized = op.CastLike(op.Div(sf, op.Sqrt(op.Add(mean_square, eps))), input)
-    return op.Mul(normalized, gamma), s
+    rms = op.Sqrt(op.Add(mean_square, eps))
+    normalized = op.CastLike(op.Div(sf, rms), input)
+    return op.Mul(normalized, gamma), op.Reciprocal(rms), s
 
 
 # s = a + b, with an optional 1-D bias added before or after the residual

@@ -16,8 +16,9 @@ from normgraphs import Spec, build
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 
 
-def lnfuse(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lnfuse.cli", *args], capture_output=True, text=True, timeout=300)
+def lnfuse(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lnfuse.cli", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
 
 
 def _digest(path: Path) -> str:
@@ -162,3 +163,20 @@ def test_external_data_stays_external(tmp_path: Path):
     proto = onnx.load(out, load_external_data=False)
     assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
     assert proto.ir_version == model.ir_version
+
+
+def test_nothing_but_the_output_is_written(tmp_path: Path):
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = lnfuse(str(SAMPLES / "llama_tiny_legacy_op14.onnx"), "-o", "out.onnx", cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["out.onnx"]
+
+
+def test_decompose_command(tmp_path: Path):
+    fused, plain = tmp_path / "f.onnx", tmp_path / "p.onnx"
+    assert lnfuse(str(SAMPLES / "bert_tiny_dynamo_op18.onnx"), "-o", str(fused), "-q").returncode == 0
+    proc = lnfuse("decompose", str(fused), "-o", str(plain))
+    assert proc.returncode == 0, proc.stderr
+    ops = {n.op_type for n in onnx.load(plain).graph.node}
+    assert "ReduceMean" in ops and not ops & {"LayerNormalization", "SkipLayerNormalization"}

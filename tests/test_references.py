@@ -14,7 +14,8 @@ from normgraphs import session
 
 def _call(function, inputs: list[str], attrs: dict, opset: int) -> onnx.ModelProto:
     proto = function.to_function_proto()
-    node = oh.make_node(proto.name, inputs, ["Y"], domain=proto.domain, **attrs)
+    outputs = ["Y"] + [f"unused{i}" for i in range(1, len(proto.output))]
+    node = oh.make_node(proto.name, inputs, outputs, domain=proto.domain, **attrs)
     graph = oh.make_graph([node], "ref", [oh.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in inputs],
                           [oh.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
     model = oh.make_model(graph, functions=[proto], opset_imports=[

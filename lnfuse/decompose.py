@@ -1,0 +1,199 @@
+"""Decompose: the exact inverse of fusion, for runtimes without the fused kernels.
+
+Every fused op lnfuse writes is replaced by its rule's onnxscript reference function, inlined and lowered to the
+model's opset (axes as attributes before opset 18, CastLike as Cast). Each replacement is verified in ORT like a
+fusion, and ``fuse(decompose(m))`` gives back the same fused ops.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx.inliner
+import onnx_ir as ir
+
+from lnfuse import io
+from lnfuse.constants import static_value
+from lnfuse.engine import apply, cleanup, scopes, _all_names
+from lnfuse.pattern import attr_value
+from lnfuse.report import Fused, Report, Unfused
+from lnfuse.rule import GraphContext, Refusal, Replacement
+from lnfuse.rules import layer_norm, rms_norm, skip_norm
+from lnfuse.verify import verify
+
+
+@dataclass(frozen=True)
+class _Inverse:
+    function: object
+    #: the function's input for each of the op's inputs (None: the op input has no counterpart)
+    inputs: tuple[str, ...]
+    #: zero-valued stand-ins for optional inputs the node leaves out
+    optional: frozenset[str]
+    #: op output index -> function output index (None: an output the reference does not compute)
+    outputs: tuple[int | None, ...]
+
+
+_INVERSES: dict[tuple[str, str], _Inverse] = {
+    ("", "LayerNormalization"): _Inverse(layer_norm.reference, ("X", "Scale", "B"), frozenset({"B"}), (0, 1, 2)),
+    ("", "RMSNormalization"): _Inverse(rms_norm.reference, ("X", "Scale"), frozenset(), (0,)),
+    ("", "SimplifiedLayerNormalization"): _Inverse(rms_norm.reference, ("X", "Scale"), frozenset(), (0, 1)),
+    ("com.microsoft", "SkipLayerNormalization"): _Inverse(
+        skip_norm.reference, ("input", "skip", "gamma", "beta", "bias"), frozenset({"beta", "bias"}),
+        (0, 1, 2, 3)),
+    ("com.microsoft", "SkipSimplifiedLayerNormalization"): _Inverse(
+        skip_norm.reference_simplified, ("input", "skip", "gamma", "bias"), frozenset({"bias"}), (0, None, 1, 2)),
+}
+
+
+def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
+    """Replace every fused norm op by primitive ONNX ops; returns a ``FuseResult`` whose report lists them."""
+    from lnfuse.api import FuseResult, _op_counts
+
+    start = time.perf_counter()
+    loaded = io.load(model)
+    report = Report(source=str(loaded.path or "<model>"), target="onnx", verified=verify_rewrites)
+    report.ops_before = _op_counts(loaded.model)
+    names = _all_names(loaded.model)
+    for scope in scopes(loaded.model):
+        ctx = GraphContext(scope.graph, scope.opset, "onnx", scope.path, names)
+        done = []
+        for node in list(scope.graph):
+            inverse = _INVERSES.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+            if inverse is None:
+                continue
+            try:
+                done.append((node, _replacement(node, inverse, ctx, loaded.model)))
+            except Refusal as refusal:
+                report.unfused.append(Unfused("decompose", scope.path, f"{node.op_type} '{node.name}'",
+                                              refusal.check, refusal.detail, [node.name]))
+        outcomes = verify([rep for _, rep in done], {**loaded.model.opset_imports, "": scope.opset},
+                          loaded.model.ir_version) if verify_rewrites else [None] * len(done)
+        kept = []
+        for (node, rep), outcome in zip(done, outcomes):
+            if outcome is not None and not outcome.ok:
+                report.unfused.append(Unfused("decompose", scope.path, f"{node.op_type} '{node.name}'", "verify",
+                                              outcome.detail, [node.name]))
+                continue
+            apply(scope.graph, rep)
+            kept.append(rep)
+            report.fused.append(Fused("decompose", node.op_type, scope.path, [node.name], rep.attributes,
+                                      None if outcome is None else outcome.max_error))
+        if kept:
+            cleanup(scope.graph, [])
+    if "com.microsoft" in loaded.model.opset_imports and not any(
+            n.domain == "com.microsoft" for n in ir.traversal.RecursiveGraphIterator(loaded.model.graph)):
+        del loaded.model.opset_imports["com.microsoft"]
+    report.ops_after = _op_counts(loaded.model)
+    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+    report.seconds = time.perf_counter() - start
+    return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path)
+
+
+def _replacement(node: ir.Node, inverse: _Inverse, ctx: GraphContext, model: ir.Model) -> Replacement:
+    x = node.inputs[0]
+    if x is None or x.shape is None or x.type is None:
+        raise Refusal("shape", f"the type or rank of '{x.name if x else '?'}' is unknown")
+    rank = len(x.shape)
+    attrs = {"epsilon": float(attr_value(node, "epsilon", 1e-12 if node.domain == "com.microsoft" else 1e-5))}
+    if node.domain != "com.microsoft":
+        axis = int(attr_value(node, "axis", -1))
+        attrs["axis"] = axis - rank if axis >= 0 else axis
+        if attr_value(node, "stash_type", 1) != 1:
+            raise Refusal("dtype", "only stash_type=1 (float32 statistics) has a reference function")
+    if any(v is not None and v.dtype != x.dtype for v in node.inputs[1:]):
+        raise Refusal("dtype", "inputs of different dtypes: the reference keeps one dtype")
+    actual = {}
+    for formal, value in zip(inverse.inputs, list(node.inputs) + [None] * len(inverse.inputs)):
+        if value is None:
+            if formal not in inverse.optional:
+                raise Refusal("inputs", f"input '{formal}' is missing")
+            hidden = x.shape[-1]
+            if not isinstance(hidden, int):
+                raise Refusal("shape", "the hidden size is unknown")
+            value = ctx.constant(np.zeros([hidden], dtype=x.dtype.numpy()), f"lnfuse_zero_{formal}")
+        actual[formal] = value
+    nodes, outputs = _inline(inverse.function, actual, attrs, ctx, model)
+    mapping = {}
+    for index, old in enumerate(node.outputs):
+        if old.name and (old.uses() or old.is_graph_output()):
+            if index >= len(inverse.outputs) or inverse.outputs[index] is None:
+                raise Refusal("outputs", f"output {index} of {node.op_type} is read and has no reference")
+            mapping[old] = outputs[inverse.outputs[index]]
+            mapping[old].type, mapping[old].shape = old.type, old.shape
+    return Replacement(op_type=node.op_type, domain=node.domain, nodes=nodes, outputs=mapping, region=[node],
+                       attributes=attrs)
+
+
+def _inline(function, actual: dict[str, ir.Value], attrs: dict, ctx: GraphContext,
+            model: ir.Model) -> tuple[list[ir.Node], list[ir.Value]]:
+    """The function's body for these inputs, inlined, lowered to the graph's opset, as new (unplaced) nodes."""
+    proto = function.to_function_proto()
+    call = onnx.helper.make_node(proto.name, list(actual), [f"out{i}" for i in range(len(proto.output))],
+                                 domain=proto.domain, **attrs)
+    inputs = [ir.serde.serialize_value(v, name=name) for name, v in actual.items()]
+    graph = onnx.helper.make_graph([call], "inverse", inputs,
+                                   [onnx.helper.make_value_info(f"out{i}", onnx.TypeProto())
+                                    for i in range(len(proto.output))])
+    small = onnx.helper.make_model(graph, functions=[proto], opset_imports=[
+        onnx.helper.make_opsetid("", max(ctx.opset, 18)), onnx.helper.make_opsetid(proto.domain, 1)])
+    small.ir_version = 10
+    inlined = onnx.shape_inference.infer_shapes(onnx.inliner.inline_local_functions(small))
+    body = ir.serde.deserialize_model(inlined).graph
+    _lower(body, ctx.opset)
+    formal = {v.name: actual[v.name] for v in body.inputs}
+    results = list(body.outputs)
+    body.outputs.clear()
+    nodes = list(body)
+    body.remove(nodes, safe=False)
+    for node in nodes:
+        for i, value in enumerate(node.inputs):
+            if value is not None and value.name in formal and value.producer() is None:
+                node.replace_input_with(i, formal[value.name])
+        node.name = ctx.fresh_name(f"lnfuse_decomposed/{node.op_type}")
+        for out in node.outputs:
+            out.name = ctx.fresh_name(f"lnfuse_decomposed/{out.name}")
+    return nodes, [formal.get(v.name, v) if v.producer() is None else v for v in results]
+
+
+def _lower(body: ir.Graph, opset: int) -> None:
+    """Spell the body in the graph's opset: CastLike as Cast (<15 has no CastLike), axes as attributes (<18),
+    and drop the additions of the zeros that stood in for absent optional inputs."""
+    for node in list(body):
+        if node.op_type == "Add":
+            _drop_zero_add(body, node)
+            continue
+        if node.op_type == "Constant" and "value" not in node.attributes:
+            # value_float/value_ints: valid, but some tools (ORT's symbolic shape inference) read only ``value``
+            tensor = ir.convenience.get_const_tensor(node.outputs[0])
+            node.attributes.clear()
+            node.attributes["value"] = ir.AttrTensor("value", tensor)
+        if node.op_type == "CastLike":
+            target = node.inputs[1].dtype
+            node.resize_inputs(1)
+            node.op_type = "Cast"
+            node.attributes["to"] = ir.AttrInt64("to", target.value)
+        elif node.op_type == "ReduceMean" and opset < 18 and len(node.inputs) > 1:
+            axes = static_value(node.inputs[1])
+            node.resize_inputs(1)
+            node.attributes["axes"] = ir.AttrInt64s("axes", [int(a) for a in axes.reshape(-1)])
+    for node in reversed(list(body)):
+        if not any(o.uses() or o.is_graph_output() for o in node.outputs):
+            body.remove(node, safe=True)
+
+
+def _drop_zero_add(body: ir.Graph, node: ir.Node) -> None:
+    out = node.outputs[0]
+    for zero, other in ((node.inputs[1], node.inputs[0]), (node.inputs[0], node.inputs[1])):
+        array = static_value(zero)
+        if array is None or array.any() or other.shape is None or out.shape is None or \
+                list(other.shape) != list(out.shape):
+            continue
+        for i, value in enumerate(body.outputs):
+            if value is out:
+                body.outputs[i] = other
+        out.replace_all_uses_with(other)
+        body.remove(node, safe=True)
+        return
