@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lnfuse: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Exception as error:  # noqa: BLE001 - a user gets one line, never a traceback
+        text = (str(error).strip().splitlines() or [""])[0][:300]
+        print(f"lnfuse: internal error ({type(error).__name__}: {text}); nothing was written; please report it "
+              "with the model", file=sys.stderr)
+        return 3
 
 
 def _run(command: str, args: argparse.Namespace) -> int:
@@ -84,6 +89,10 @@ def _run(command: str, args: argparse.Namespace) -> int:
             print(result.report.summary())
             print(f"  wrote {args.output}")
         return 0
+    if getattr(args, "report", None):
+        folder = Path(args.report).resolve().parent
+        if not folder.is_dir():
+            raise UsageError(f"--report {args.report}: folder '{folder}' does not exist; create it first")
     inputs = None
     if getattr(args, "inputs", None):
         try:

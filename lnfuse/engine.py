@@ -124,10 +124,12 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
     """Greedy, outputs first: the first match found from the last node of a norm is its largest form."""
     found = _Pass()
     consumed: set[ir.Node] = set()
-    for node in reversed(list(ctx.graph)):
+    nodes = list(ctx.graph)
+    position = {node: i for i, node in enumerate(nodes)}
+    for node in reversed(nodes):
         if node in consumed or not node.outputs:
             continue
-        candidate = _first_valid(rule, ctx, node.outputs[0], consumed, found)
+        candidate = _first_valid(rule, ctx, node.outputs[0], consumed, found, position)
         if candidate is not None:
             found.accepted.append(candidate)
             consumed.update(candidate.replacement.region)
@@ -151,7 +153,7 @@ def _limited(matches: Iterator[Match]) -> Iterator[Match]:
 
 
 def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir.Node],
-                 found: _Pass) -> _Candidate | None:
+                 found: _Pass, position: dict[ir.Node, int]) -> _Candidate | None:
     for pattern in rule.patterns:
         for m in _limited(pattern.match(root, Match())):
             if consumed.intersection(m.nodes):
@@ -160,6 +162,7 @@ def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir
             try:
                 replacement = rule.build(m, ctx)
                 check_intermediates(replacement)
+                check_no_cycle(replacement, position)
             except Refusal as refusal:
                 for anchor in anchors:
                     found.refused.setdefault(anchor, (refusal, list(m.nodes)))
@@ -185,6 +188,25 @@ def check_intermediates(rep: Replacement) -> None:
                 if reader not in region:
                     raise Refusal("intermediate", f"'{value.name}' ({node.op_type}) is also read by "
                                   f"{reader.op_type} '{reader.name}', and the fused op cannot expose it")
+
+
+def check_no_cycle(rep: Replacement, position: dict[ir.Node, int]) -> None:
+    """The new nodes must not read anything computed from the region they replace (a gamma computed from the
+    norm's own mean, say): the fused op would feed itself."""
+    region = set(rep.region)
+    start = min(position[n] for n in rep.region)
+    produced = {v for n in rep.nodes for v in n.outputs}
+    stack = [v for n in rep.nodes for v in n.inputs if v is not None and v not in produced]
+    seen: set[ir.Value] = set()
+    while stack:
+        value = stack.pop()
+        node = value.producer()
+        if value in seen or node is None or node not in position or position[node] < start:
+            continue
+        seen.add(value)
+        if node in region:
+            raise Refusal("cycle", f"'{value.name}' is computed inside the norm and also feeds the fused op")
+        stack.extend(v for v in node.inputs if v is not None)
 
 
 def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, options: Options, report: Report,

@@ -123,6 +123,9 @@ class Op(Pattern):
         if node in m.nodes:
             yield m
             return
+        twin = m.named_nodes.get(self.name) if self.name is not None else None
+        if twin is not None and not _same_computation(node, twin, len(self.inputs)):
+            return
         m = m.add_node(node, self.name)
         actual = list(node.inputs[: len(self.inputs)])
         orders = [list(self.inputs)]
@@ -146,6 +149,18 @@ def maybe_cast(p: Pattern, cast: str, name: str | None = None) -> Pattern:
     """``p`` or ``Cast(p)``: exporters add Casts around statistics in mixed precision. The Cast node is bound to
     ``cast`` so checks can read its target type; the value after the optional Cast is bound to ``name``."""
     return Either(Op("Cast", p, name=cast), p, name=name)
+
+
+def _same_computation(node: ir.Node, twin: ir.Node, matched_inputs: int) -> bool:
+    """A second node bound to an already bound name must compute the same thing: same op, same attributes, and the
+    same values in the inputs the pattern does not look at (ReduceMean's axes, Unsqueeze's axes)."""
+    if (node.op_type, node.domain, len(node.inputs)) != (twin.op_type, twin.domain, len(twin.inputs)):
+        return False
+    if list(node.inputs[matched_inputs:]) != list(twin.inputs[matched_inputs:]):
+        return False
+    mine = {k: a.value for k, a in node.attributes.items()}
+    theirs = {k: a.value for k, a in twin.attributes.items()}
+    return mine == theirs
 
 
 def _match_all(values: list, patterns: list, m: Match) -> Iterator[Match]:

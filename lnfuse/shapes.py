@@ -63,29 +63,38 @@ def _quiet():
 
 
 def infer_function_types(model: ir.Model) -> None:
-    """Give the values inside model-local functions the types and shapes of their first call."""
-    calls = _first_calls(model)
-    for key, function in model.functions.items():
-        call = calls.get(key)
-        if call is None or function.attributes:
-            continue  # never called, or attribute-parametric: the body's types depend on the call
-        inputs = []
-        for formal, actual in zip(function.inputs, call.inputs):
-            if actual is None or actual.type is None:
-                break
-            inputs.append(ir.serde.serialize_value(actual, name=formal.name))
-        else:
-            _infer_body(model, function, inputs)
+    """Give the values inside model-local functions the types and shapes of their calls.
+
+    Only a function whose every call passes the same types and shapes is typed: a rewrite proven for one call
+    signature (the axes relative to a rank, a unit scale of one width, a Cast that is a no-op for one dtype) may
+    be wrong for another. Untyped bodies are left alone, and the checks that need types refuse.
+    """
+    for key, calls in _calls(model).items():
+        function = model.functions[key]
+        if function.attributes:
+            continue  # attribute-parametric: the body's types depend on the call
+        signatures = {tuple(_signature(v) for v in call.inputs) for call in calls}
+        if len(signatures) != 1 or any(None in sig for sig in signatures):
+            continue
+        call = calls[0]
+        inputs = [ir.serde.serialize_value(actual, name=formal.name)
+                  for formal, actual in zip(function.inputs, call.inputs)]
+        _infer_body(model, function, inputs)
 
 
-def _first_calls(model: ir.Model) -> dict:
-    calls = {}
-    graphs = [model.graph, *model.functions.values()]
-    for graph in graphs:
+def _signature(value: ir.Value | None):
+    if value is None or value.type is None or value.shape is None:
+        return None
+    return (value.dtype, tuple(str(d) for d in value.shape))
+
+
+def _calls(model: ir.Model) -> dict:
+    calls: dict = {}
+    for graph in [model.graph, *model.functions.values()]:
         for node in ir.traversal.RecursiveGraphIterator(graph):
             key = (node.domain, node.op_type, node.overload)
-            if key in model.functions and key not in calls:
-                calls[key] = node
+            if key in model.functions:
+                calls.setdefault(key, []).append(node)
     return calls
 
 
@@ -100,7 +109,7 @@ def _infer_body(model: ir.Model, function: ir.Function, inputs: list) -> None:
         inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True).graph
     except Exception:  # noqa: BLE001 - without types the checks refuse and say why
         return
-    found = {v.name: v.type for v in list(inferred.value_info) + list(inferred.input)}
+    found = {v.name: v.type for v in list(inferred.value_info) + list(inferred.input) + list(inferred.output)}
     values = {v.name: v for v in function.inputs}
     for node in function:
         values.update({v.name: v for v in node.outputs})

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from lnfuse.errors import UsageError
 from lnfuse.verify import TOLERANCE, compare, session
 
 _DIM_SIZES = (2, 5, 3, 4, 6, 7)
@@ -45,6 +46,8 @@ def compare_models(original: onnx.ModelProto, fused: onnx.ModelProto, inputs: di
                    base_dir: Path | None = None) -> dict:
     """``{"ok", "summary", "outputs": {name: max_abs_diff}}`` for the two models on the same inputs."""
     feeds = inputs if inputs is not None else random_inputs(original)
+    if inputs is not None:
+        _check_feeds(original, inputs)
     expected = _run(original, feeds, base_dir)
     actual = _run(fused, feeds, base_dir)
     dtypes = {v.name: v.type.tensor_type.elem_type for v in original.graph.output}
@@ -57,6 +60,24 @@ def compare_models(original: onnx.ModelProto, fused: onnx.ModelProto, inputs: di
     worst = max(outputs.values()) if outputs else 0.0
     summary = f"{'agree' if ok else 'DIFFER'}; worst output difference {worst:.2e} over {len(outputs)} output(s)"
     return {"ok": ok, "summary": summary, "outputs": outputs}
+
+
+def _check_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
+    """User-given inputs must name every graph input, with its dtype and rank."""
+    initializers = {t.name for t in model.graph.initializer}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        if value.name not in feeds:
+            raise UsageError(f"--inputs has no array named '{value.name}' (it has {sorted(feeds)})")
+        tensor = value.type.tensor_type
+        want = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        got = feeds[value.name]
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if got.dtype != want or got.ndim != len(dims) or any(d not in (None, g) for d, g in zip(dims, got.shape)):
+            shape = [d if d is not None else "?" for d in dims]
+            raise UsageError(f"--inputs '{value.name}' is {got.dtype}{list(got.shape)}; the model takes {want}"
+                             f"{shape}")
 
 
 def _tolerance(elem_type: int | None) -> tuple[float, float]:

@@ -102,7 +102,8 @@ def trailing_axes(axes: tuple[int, ...], node: ir.Node, others: Iterable[tuple[t
 
 
 def scalar(m: Match, name: str, what: str) -> float:
-    """A constant that must hold one number (possibly broadcast): epsilon, an exponent, a numerator."""
+    """A constant that must hold one number and must not broadcast the result to another shape: epsilon, an
+    exponent, a numerator."""
     value = m.value(name)
     array = static_value(value)
     if array is None:
@@ -110,8 +111,12 @@ def scalar(m: Match, name: str, what: str) -> float:
         source = f"node '{producer.name}' ({producer.op_type})" if producer is not None else "a graph input"
         raise Refusal(what, f"{what} '{value.name}' is not a constant (computed by {source})")
     flat = np.asarray(array).reshape(-1)
-    if flat.size == 0 or not np.all(flat == flat[0]):
-        raise Refusal(what, f"{what} '{value.name}' holds different values {flat[:4].tolist()}")
+    if flat.size != 1:
+        raise Refusal(what, f"{what} '{value.name}' holds {flat.size} values {flat[:4].tolist()}, not one number")
+    x = m.value("x")
+    rank = rank_of(x) if x is not None else None
+    if np.ndim(array) > (rank if rank is not None else 1):
+        raise Refusal(what, f"{what} '{value.name}' has shape {list(np.shape(array))}, which raises the rank")
     return float(flat[0])
 
 

@@ -68,6 +68,12 @@ def check_inner_casts(m: Match, names: tuple[str, ...]) -> None:
                           f"{cast_target(node)} inside the statistics")
 
 
+def stash_type(dtype: ir.DataType) -> ir.DataType:
+    """The precision of the statistics: float32 for 16- and 32-bit floats (what mixed-precision exports cast to),
+    double for double, so a float64 norm keeps computing in float64."""
+    return ir.DataType.DOUBLE if dtype == ir.DataType.DOUBLE else ir.DataType.FLOAT
+
+
 @dataclass
 class Boundary:
     """Where the fused op starts and ends: which value it reads, which it replaces, and in which dtype."""
@@ -98,13 +104,23 @@ def boundaries(m: Match) -> list[Boundary]:
     found = []
     for x, keep_x in x_choices:
         for y, keep_y in y_choices:
-            if dtype_of(x) is not None and dtype_of(x) == dtype_of(y) and dtype_of(x) in FLOATS:
+            if dtype_of(x) is not None and dtype_of(x) == dtype_of(y) and dtype_of(x) in FLOATS and \
+                    _normalized_cast_ok(m.node("cast_normalized"), dtype_of(x)):
                 kept = set(keep_x + keep_y)
                 found.append(Boundary(x, y, dtype_of(x), [n for n in region if n not in kept]))
     if not found:
         raise Refusal("dtype", f"input dtype {dtype_of(x_inner)} and output dtype {dtype_of(y_outer)} cannot be "
                       f"carried by one fused op")
     return found
+
+
+def _normalized_cast_ok(cast: ir.Node | None, dtype: ir.DataType) -> bool:
+    """A Cast of the normalized value is folded only if it is exact, or rounds to the fused op's own dtype (the
+    ``.to(input_dtype)`` of mixed-precision models, where the fused op rounds once at its output instead)."""
+    if cast is None:
+        return True
+    target = cast_target(cast)
+    return target in FLOATS and (is_widening(dtype_of(cast.inputs[0]), target) or target == dtype)
 
 
 def params(m: Match, ctx: GraphContext, b: Boundary, k: int) -> tuple[ir.Value | None, ir.Value | None]:

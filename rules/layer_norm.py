@@ -16,7 +16,7 @@ from lnfuse.pattern import Either, Match, Op, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, check_exponent, epsilon, kept_dims, mean_over, node_name, param_as, read_outside,
                            rank_of, readers_outside, reduced_axes, square, trailing_axes)
-from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish,
+from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish, stash_type,
                          inverse_std, inverse_std_readers, normalize, ones_scale, params)
 
 
@@ -52,7 +52,8 @@ STANDARD = affine(NORMALIZED)
 UNFLATTENED = Op("Reshape", STANDARD, Var("x_shape"), name="unflatten")
 # tf2onnx/Keras folds the affine: x*k + (beta - mean*k) with k = gamma / sqrt(var + eps)
 _INV = inverse_std(VAR_EPS)
-_K = Either(Op("Mul", _INV, Var("gamma"), name="mul_gamma"), _INV)
+# both products must use the same k (named, so the second use must be the very value the first one matched)
+_K = Either(Op("Mul", _INV, Var("gamma"), name="mul_gamma"), _INV, name="k")
 FOLDED = maybe_cast(Either(
     Op("Add", Op("Mul", X, _K, name="x_k"), Op("Sub", Var("beta"), Op("Mul", MEAN, _K, name="mean_k"),
                                               name="shift"), name="add_beta"),
@@ -81,7 +82,7 @@ class LayerNorm(Rule):
         for name in ("sq", "xsq", "msq"):
             check_exponent(m, name, 2.0, "exponent")
         check_inverse_sqrt(m)
-        check_inner_casts(m, ("sq_cast", "xsq_cast", "msq_cast"))
+        check_inner_casts(m, ("sq_cast", "xsq_cast", "msq_cast", "d_cast"))
         refusal = None
         for b in boundaries(m):
             try:
@@ -107,12 +108,15 @@ class LayerNorm(Rule):
             _only_reshaped(exposed_mean + exposed_inv, region)
         n_out = 3 if exposed_inv else 2 if exposed_mean else 1
         scale = gamma if gamma is not None else ones_scale(ctx, x, k, b.dtype)
-        attrs = {"axis": -k, "epsilon": eps, "stash_type": 1}
+        stash = stash_type(b.dtype)
+        if n_out > 1 and stash != ir.DataType.FLOAT:
+            raise Refusal("dtype", "LayerNormalization's Mean/InvStdDev are float or bfloat16, and these statistics "
+                          f"are {b.dtype}")
+        attrs = {"axis": -k, "epsilon": eps, "stash_type": stash.value}
         fused = ctx.node(op_type, [x, scale] + ([beta] if beta is not None else []), attrs, num_outputs=n_out,
                          hint=node_name(m.node("mean")))
         fused.outputs[0].type, fused.outputs[0].shape = y.type, y.shape
         outputs = {y: fused.outputs[0]}
-        stash = ir.DataType.FLOAT
         for i in range(1, n_out):
             fused.outputs[i].type = ir.TensorType(stash)
             if x.shape is not None:

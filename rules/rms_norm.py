@@ -13,7 +13,7 @@ from onnxscript import opset18 as op
 from lnfuse.pattern import Match, Op, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import FLOATS, check_exponent, epsilon, mean_over, node_name, reduced_axes, square, trailing_axes
-from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish,
+from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish, stash_type,
                          inverse_std_readers, normalize, ones_scale, params)
 
 
@@ -65,7 +65,9 @@ class RmsNorm(Rule):
                           "RMSNormalization does not output it")
         region += absorbed
         scale = gamma if gamma is not None else ones_scale(ctx, b.x, k, b.dtype)
-        attrs = {"axis": -k, "epsilon": eps, "stash_type": 1}
+        attrs = {"axis": -k, "epsilon": eps, "stash_type": stash_type(b.dtype).value}
+        if exposed_inv and stash_type(b.dtype) != ir.DataType.FLOAT:
+            raise Refusal("dtype", f"the inverse RMS of {b.dtype} statistics cannot be exposed as float")
         fused = ctx.node(op_type, [b.x, scale], attrs, num_outputs=2 if exposed_inv else 1,
                          hint=node_name(m.node("var")))
         fused.outputs[0].type, fused.outputs[0].shape = b.y.type, b.y.shape
