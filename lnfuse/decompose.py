@@ -21,7 +21,7 @@ from lnfuse.engine import apply, cleanup, scopes, _all_names
 from lnfuse.pattern import attr_value
 from lnfuse.report import Fused, Report, Unfused
 from lnfuse.rule import GraphContext, Refusal, Replacement
-from lnfuse.rules import layer_norm, rms_norm, skip_norm
+from lnfuse.rules import embed_norm, layer_norm, rms_norm, skip_norm
 from lnfuse.verify import verify
 
 
@@ -92,7 +92,59 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path)
 
 
+_EMBED = ("com.microsoft", "EmbedLayerNormalization")
+_EMBED_INVERSES = {
+    True: _Inverse(embed_norm.reference, ("input_ids", "segment_ids", "word_embedding", "position_embedding",
+                                          "segment_embedding", "gamma", "beta", "position_ids"), frozenset(), (0, None, 1)),
+    False: _Inverse(embed_norm.reference_no_segment, ("input_ids", "word_embedding", "position_embedding", "gamma",
+                                                      "beta", "position_ids"), frozenset(), (0, None, 1)),
+}
+_INVERSES[_EMBED] = _EMBED_INVERSES[True]
+
+
+def _embed_replacement(node: ir.Node, ctx: GraphContext, model: ir.Model) -> Replacement:
+    """EmbedLayerNormalization: ids are int32 (Gather takes them as they are); absent position ids are 0..S-1."""
+    inputs = list(node.inputs) + [None] * (9 - len(node.inputs))
+    ids, segment_ids, word, position, segment, gamma, beta, mask, position_ids = inputs
+    if mask is not None:
+        raise Refusal("inputs", "a mask input only changes mask_index, which has no reference here")
+    if position_ids is None:
+        shape = ctx.node("Shape", [ids], hint="lnfuse_positions")
+        length = ctx.node("Gather", [shape.outputs[0], ctx.constant(np.array(1, np.int64), "seq_axis")],
+                          {"axis": 0}, hint="lnfuse_positions")
+        zero, one = ctx.constant(np.array(0, np.int64), "zero"), ctx.constant(np.array(1, np.int64), "one")
+        arange = ctx.node("Range", [zero, length.outputs[0], one], hint="lnfuse_positions")
+        rows = ctx.node("Unsqueeze", [arange.outputs[0], ctx.constant(np.array([0], np.int64), "row_axis")],
+                        hint="lnfuse_positions")
+        position_ids = rows.outputs[0]
+        for n, dims in ((shape, [2]), (length, []), (arange, [ids.shape[1]]), (rows, [1, ids.shape[1]])):
+            n.outputs[0].type, n.outputs[0].shape = ir.TensorType(ir.DataType.INT64), ir.Shape(dims)
+    with_segment = segment is not None
+    inverse = _EMBED_INVERSES[with_segment]
+    values = [ids, segment_ids, word, position, segment, gamma, beta, position_ids] if with_segment else \
+        [ids, word, position, gamma, beta, position_ids]
+    attrs = {"epsilon": float(attr_value(node, "epsilon", 1e-12))}
+    nodes, outputs = _inline(inverse.function, dict(zip(inverse.inputs, values)), attrs, ctx, model)
+    mapping = {}
+    for index, old in enumerate(node.outputs):
+        if old.name and (old.uses() or old.is_graph_output()):
+            if inverse.outputs[index] is None:
+                raise Refusal("outputs", "mask_index is read; it has no reference here")
+            mapping[old] = outputs[inverse.outputs[index]]
+            mapping[old].type, mapping[old].shape = old.type, old.shape
+    helpers = [v.producer() for v in [position_ids] if v.producer() is not None and v.producer().graph is None]
+    return Replacement(op_type=node.op_type, domain=node.domain, nodes=_new_first(helpers, nodes),
+                       outputs=mapping, region=[node], attributes=attrs)
+
+
+def _new_first(helpers: list[ir.Node], nodes: list[ir.Node]) -> list[ir.Node]:
+    from lnfuse.rules._norm import new_nodes
+    return new_nodes([h.outputs[0] for h in helpers]) + nodes
+
+
 def _replacement(node: ir.Node, inverse: _Inverse, ctx: GraphContext, model: ir.Model) -> Replacement:
+    if (node.domain, node.op_type) == _EMBED:
+        return _embed_replacement(node, ctx, model)
     x = node.inputs[0]
     if x is None or x.shape is None or x.type is None:
         raise Refusal("shape", f"the type or rank of '{x.name if x else '?'}' is unknown")

@@ -72,7 +72,7 @@ class GraphContext:
 
     def constant(self, array: np.ndarray, hint: str) -> ir.Value:
         """A new constant value; the engine stores it as an initializer (or a Constant node inside a function)."""
-        value = ir.Value(name=self.fresh_name(hint), const_value=ir.tensor(np.ascontiguousarray(array)))
+        value = ir.Value(name=self.fresh_name(hint), const_value=ir.tensor(np.array(array, order="C")))
         value.type = ir.TensorType(value.const_value.dtype)
         value.shape = ir.Shape(array.shape)
         return value

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from lnfuse.rule import Rule
 
-from . import layer_norm, rms_norm, skip_norm
+from . import embed_norm, layer_norm, rms_norm, skip_norm
 
 
 def all_rules() -> tuple[Rule, ...]:
-    return (layer_norm.RULE, rms_norm.RULE, skip_norm.RULE)
+    # embeddings before residuals: the embedding sum word + position + segment is also an Add before a norm
+    return (layer_norm.RULE, rms_norm.RULE, embed_norm.RULE, skip_norm.RULE)

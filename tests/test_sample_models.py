@@ -33,8 +33,10 @@ def test_sample_model_fuses_every_norm(name):
     fused = result.model
     (plain, skip), total, residual = EXPECTED[name]
     ops = [n.op_type for n in fused.graph.node]
-    assert ops.count(plain) + ops.count(skip) == total
+    assert ops.count(plain) + ops.count(skip) + ops.count("EmbedLayerNormalization") == total
     assert ops.count(skip) >= residual, "every residual norm becomes a Skip op"
+    if plain == "LayerNormalization":
+        assert ops.count("EmbedLayerNormalization") == 1, "one Embed op per embedding block"
     assert "ReduceMean" not in ops
     assert not result.report.unfused
     assert fused.ir_version == original.ir_version, "the IR version is kept"

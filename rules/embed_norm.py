@@ -1,0 +1,288 @@
+"""Embedding lookups + sum + LayerNorm as one com.microsoft kernel (``--target ort`` only).
+
+EmbedLayerNormalization computes ``LayerNorm(word[ids] + position[position_ids] + segment[segment_ids])``;
+without ``position_ids`` the kernel uses 0..S-1. QEmbedLayerNormalization does the same from per-tensor quantized
+tables, gamma and beta (``(q - zero_point) * scale``), and has no ``position_ids`` input.
+
+Which lookup is which is decided by meaning, not by names: the word lookup is indexed by a [B, S] id tensor; the
+position lookup is the one whose indices are provably 0..S-1 (a constant, a Slice of an arange buffer, a Range),
+else one indexed by a (1, S) or (B, S) tensor, passed as ``position_ids`` (the kernel honours any values).
+Embedding tables are never read: only their shapes and dtypes matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript import script
+from onnxscript import opset18 as op
+
+from lnfuse.constants import static_value
+from lnfuse.pattern import Either, Match, Op, Var, attr_value
+from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
+from ._common import dtype_of, node_name, read_outside
+
+_INDEX_TYPES = (ir.DataType.INT32, ir.DataType.INT64)
+_KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+
+
+@script(default_opset=op)
+def reference(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, gamma, beta,
+              position_ids, epsilon: float = 1e-12):
+    """EmbedLayerNormalization with every input given: (output, embedding_sum)."""
+    s = op.Add(op.Add(op.Gather(word_embedding, input_ids), op.Gather(position_embedding, position_ids)),
+               op.Gather(segment_embedding, segment_ids))
+    axes = op.Constant(value_ints=[-1])
+    mean = op.ReduceMean(s, axes)
+    d = op.Sub(s, mean)
+    var = op.ReduceMean(op.Mul(d, d), axes)
+    eps = op.CastLike(op.Constant(value_float=epsilon), var)
+    return op.Add(op.Mul(op.Div(d, op.Sqrt(op.Add(var, eps))), gamma), beta), s
+
+
+@script(default_opset=op)
+def reference_no_segment(input_ids, word_embedding, position_embedding, gamma, beta, position_ids,
+                         epsilon: float = 1e-12):
+    """EmbedLayerNormalization without segment embeddings (GPT-2, DistilBERT): (output, embedding_sum)."""
+    s = op.Add(op.Gather(word_embedding, input_ids), op.Gather(position_embedding, position_ids))
+    axes = op.Constant(value_ints=[-1])
+    mean = op.ReduceMean(s, axes)
+    d = op.Sub(s, mean)
+    var = op.ReduceMean(op.Mul(d, d), axes)
+    eps = op.CastLike(op.Constant(value_float=epsilon), var)
+    return op.Add(op.Mul(op.Div(d, op.Sqrt(op.Add(var, eps))), gamma), beta), s
+
+
+def _lookup(i: int) -> Op:
+    return Op("Gather", Var(f"table{i}"), Var(f"ids{i}"), name=f"gather{i}")
+
+
+_SUM = Either(
+    Op("Add", Op("Add", _lookup(0), _lookup(1), name="add_inner"), _lookup(2), name="add"),
+    Op("Add", _lookup(0), _lookup(1), name="add"),
+)
+
+
+@dataclass
+class _Lookup:
+    gather: ir.Node
+    table: ir.Value
+    ids: ir.Value
+    kind: str  # "arange" (0..S-1), "row" ((1,S) ids), "full" ((B,S) ids), or "" (none of these)
+
+
+class EmbedNorm(Rule):
+    name = "embed_norm"
+    anchors = frozenset({"LayerNormalization"})
+    targets = frozenset({"ort"})
+    patterns = (Op("LayerNormalization", _SUM, Var("gamma"), name="norm", extra_inputs=True),)
+
+    def build(self, m: Match, ctx: GraphContext) -> Replacement:
+        norm, s = m.node("norm"), m.value("add")
+        if any(read_outside(v, m.nodes) for v in norm.outputs[1:] if v.name):
+            raise Refusal("outputs", f"the Mean/InvStdDev of '{node_name(norm)}' are read; the kernel has none")
+        if s.shape is None or len(s.shape) != 3 or attr_value(norm, "axis", -1) not in (-1, 2):
+            raise Refusal("shape", f"the embedding sum '{s.name}' must be 3-D and normalized over its last axis")
+        if attr_value(norm, "stash_type", 1) != 1:
+            raise Refusal("dtype", "the kernel computes the statistics in float32 (stash_type=1)")
+        dtype, hidden = dtype_of(s), s.shape[-1]
+        if dtype not in _KERNEL_DTYPES or not isinstance(hidden, int):
+            raise Refusal("dtype", f"the kernel takes float32/float16 with a known hidden size, not {dtype} "
+                          f"[..., {hidden}]")
+        lookups = [_classify(m, i) for i in range(3) if m.node(f"gather{i}") is not None]
+        word, position, segment = _roles(lookups)
+        for lookup in lookups:
+            _check_table(lookup, hidden, dtype)
+        gamma = _vector(norm.inputs[1], hidden, dtype, "gamma")
+        beta = _vector(norm.inputs[2], hidden, dtype, "beta") if len(norm.inputs) > 2 and norm.inputs[2] else \
+            ctx.constant(np.zeros(hidden, dtype=dtype.numpy()), "lnfuse_zero_beta")
+        epsilon = float(attr_value(norm, "epsilon", 1e-5))
+        quantized = _dequantized([word.table, position.table] + ([segment.table] if segment else []) +
+                                 [norm.inputs[1], norm.inputs[2] if len(norm.inputs) > 2 else None])
+        if quantized is not None and position.kind == "arange":
+            fused = ctx.node("QEmbedLayerNormalization", _qembed_inputs(ctx, word, segment, quantized),
+                             {"epsilon": epsilon}, domain="com.microsoft", num_outputs=2, hint=node_name(norm))
+            fused.outputs[1].meta[ABSENT] = False
+            op_type = "QEmbedLayerNormalization"
+        else:
+            inputs = [_int32(ctx, word.ids), _int32(ctx, segment.ids) if segment else None, word.table,
+                      position.table, segment.table if segment else None, gamma, beta, None,
+                      None if position.kind == "arange" else _int32(ctx, position.ids)]
+            while inputs[-1] is None:
+                inputs.pop()
+            fused = ctx.node("EmbedLayerNormalization", inputs, {"epsilon": epsilon, "mask_index_type": 0},
+                             domain="com.microsoft", num_outputs=3, hint=node_name(norm))
+            op_type = "EmbedLayerNormalization"
+        outputs = {norm.outputs[0]: fused.outputs[0]}
+        if op_type == "EmbedLayerNormalization":
+            fused.outputs[1].meta[ABSENT] = True
+            if read_outside(s, m.nodes):
+                outputs[s] = fused.outputs[2]
+            else:
+                fused.resize_outputs(1)
+        elif read_outside(s, m.nodes):
+            raise Refusal("outputs", "the embedding sum is read elsewhere and QEmbedLayerNormalization has no "
+                          "embedding_sum output")
+        for old, new in outputs.items():
+            new.type, new.shape = old.type, old.shape
+        return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
+                           region=list(m.nodes), attributes={"epsilon": epsilon}, ort_only=True,
+                           opset_imports={"com.microsoft": 1})
+
+
+def _new_nodes(fused: ir.Node) -> list[ir.Node]:
+    casts = [v.producer() for v in fused.inputs if v is not None and v.producer() is not None
+             and v.producer().graph is None]
+    return casts + [fused]
+
+
+def _same_dim(a, b) -> bool:
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a is not None and b is not None and a.value is not None and a.value == b.value
+
+
+def _classify(m: Match, i: int) -> _Lookup:
+    gather = m.node(f"gather{i}")
+    table, ids = m.value(f"table{i}"), m.value(f"ids{i}")
+    if attr_value(gather, "axis", 0) != 0:
+        raise Refusal("gather", f"Gather '{node_name(gather)}' gathers along axis {attr_value(gather, 'axis')}")
+    if dtype_of(ids) not in _INDEX_TYPES or ids.shape is None:
+        raise Refusal("ids", f"the indices '{ids.name}' are not int32/int64 of known shape")
+    s = m.value("add").shape
+    dims = list(ids.shape)
+    kind = ""
+    if len(dims) == 2 and _same_dim(dims[0], s[0]) and _same_dim(dims[1], s[1]):
+        kind = "full"
+    elif len(dims) == 2 and dims[0] == 1 and _same_dim(dims[1], s[1]):
+        kind = "row"
+    if kind and _is_arange(ids):
+        kind = "arange"
+    elif len(dims) == 1 and _same_dim(dims[0], s[1]) and _is_arange(ids):
+        kind = "arange"
+    return _Lookup(gather, table, ids, kind)
+
+
+def _is_arange(ids: ir.Value, depth: int = 0) -> bool:
+    """True when every row of ``ids`` is 0, 1, ..., n-1 (the caller checks that n is the sequence length)."""
+    array = static_value(ids)
+    if array is not None:
+        rows = array.reshape(-1, array.shape[-1]) if array.ndim else array.reshape(1, 1)
+        return bool(np.all(rows == np.arange(rows.shape[-1])))
+    node = ids.producer()
+    if node is None or depth > 6:
+        return False
+    if node.op_type in ("Cast", "Unsqueeze", "Expand", "Identity"):
+        # position ids broadcast over the batch, or widened: still 0..n-1 along the last axis
+        axes = attr_value(node, "axes")
+        if node.op_type == "Unsqueeze" and axes is None and len(node.inputs) > 1:
+            found = static_value(node.inputs[1])
+            axes = None if found is None else found.reshape(-1).tolist()
+        if node.op_type == "Unsqueeze" and (axes is None or any(a in (-1, len(ids.shape) - 1) for a in axes)):
+            return False
+        return _is_arange(node.inputs[0], depth + 1)
+    if node.op_type == "Range":
+        start, delta = static_value(node.inputs[0]), static_value(node.inputs[2])
+        return start is not None and delta is not None and start.item() == 0 and delta.item() == 1
+    if node.op_type == "Slice":
+        return _is_arange_slice(node, depth)
+    return False
+
+
+def _is_arange_slice(node: ir.Node, depth: int) -> bool:
+    """``buffer[..., 0:n]`` of an arange buffer (HF's registered position_ids) is 0..n-1."""
+    data = node.inputs[0]
+    starts = static_value(node.inputs[1]) if len(node.inputs) > 1 else None
+    axes = static_value(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    steps = static_value(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+    if starts is None or data.shape is None:
+        return False
+    rank = len(data.shape)
+    axes_list = [int(a) % rank for a in axes.reshape(-1)] if axes is not None else list(range(starts.size))
+    if axes_list != [rank - 1] or starts.reshape(-1)[0] != 0:
+        return False
+    if steps is not None and steps.reshape(-1)[0] != 1:
+        return False
+    return _is_arange(data, depth + 1)
+
+
+def _roles(lookups: list[_Lookup]) -> tuple[_Lookup, _Lookup, _Lookup | None]:
+    """word (indexed by [B, S] ids), position (0..S-1 first, else (1, S) or (B, S) ids), segment (the rest)."""
+    remaining = list(lookups)
+    word = next((lk for lk in remaining if lk.kind == "full"), None)
+    if word is None:
+        raise Refusal("ids", "no lookup is indexed by a [batch, sequence] id tensor")
+    remaining.remove(word)
+    position = next((lk for kind in ("arange", "row", "full") for lk in remaining if lk.kind == kind), None)
+    if position is None:
+        raise Refusal("ids", "the second lookup's indices are neither 0..S-1 nor shaped (1, S) or (B, S)")
+    remaining.remove(position)
+    segment = remaining[0] if remaining else None
+    if segment is not None and segment.kind not in ("full", "arange") or (
+            segment is not None and segment.kind == "arange" and list(segment.ids.shape) != list(word.ids.shape)):
+        raise Refusal("ids", f"segment ids '{segment.ids.name}' must have the shape of the input ids")
+    return word, position, segment
+
+
+def _check_table(lookup: _Lookup, hidden: int, dtype: ir.DataType) -> None:
+    shape = lookup.table.shape
+    if shape is None or len(shape) != 2 or shape[1] != hidden or dtype_of(lookup.table) != dtype:
+        raise Refusal("table", f"table '{lookup.table.name}' is {dtype_of(lookup.table)}"
+                      f"{None if shape is None else list(shape)}; the kernel needs {dtype}[rows, {hidden}]")
+
+
+def _vector(value: ir.Value, hidden: int, dtype: ir.DataType, what: str) -> ir.Value:
+    if value.shape is None or list(value.shape) != [hidden] or dtype_of(value) != dtype:
+        raise Refusal(what, f"{what} '{value.name}' must be {dtype}[{hidden}]")
+    return value
+
+
+def _int32(ctx: GraphContext, ids: ir.Value) -> ir.Value:
+    """The kernel takes int32 ids. Valid ids index a table, so they fit; a Cast is inserted for int64."""
+    if dtype_of(ids) == ir.DataType.INT32:
+        return ids
+    cast = ctx.node("Cast", [ids], {"to": ir.DataType.INT32.value}, hint="lnfuse_ids")
+    cast.outputs[0].type = ir.TensorType(ir.DataType.INT32)
+    cast.outputs[0].shape = ids.shape
+    return cast.outputs[0]
+
+
+@dataclass
+class _Quantized:
+    tensor: ir.Value
+    scale: ir.Value
+    zero_point: ir.Value
+
+
+def _dequantized(values: list[ir.Value | None]) -> list[_Quantized] | None:
+    """Each value as DequantizeLinear(q, scale, zero_point) with int8/uint8 q and scalar scale/zero point, or None
+    if any is not (then the float kernel reads the dequantized tensors, which is exact)."""
+    found = []
+    for value in values:
+        node = value.producer() if value is not None else None
+        if node is None or node.op_type != "DequantizeLinear" or len(node.inputs) < 3 or node.inputs[2] is None:
+            return None
+        q, scale, zero = node.inputs[:3]
+        if dtype_of(q) not in (ir.DataType.INT8, ir.DataType.UINT8) or dtype_of(zero) != dtype_of(q):
+            return None
+        if any(v.shape is None or len(v.shape) not in (0,) and list(v.shape) != [1] for v in (scale, zero)):
+            return None
+        if attr_value(node, "axis", 1) not in (0, 1) and scale.shape and len(scale.shape) > 0:
+            return None
+        found.append(_Quantized(q, scale, zero))
+    return found
+
+
+def _qembed_inputs(ctx: GraphContext, word: _Lookup, segment: _Lookup | None, q: list[_Quantized]) -> list:
+    word_q, pos_q = q[0], q[1]
+    seg_q = q[2] if segment is not None else None
+    gamma_q, beta_q = q[-2], q[-1]
+    parts = [word_q, pos_q, seg_q, gamma_q, beta_q]
+    return ([_int32(ctx, word.ids), _int32(ctx, segment.ids) if segment else None, word_q.tensor, pos_q.tensor,
+             seg_q.tensor if seg_q else None, gamma_q.tensor, beta_q.tensor, None]
+            + [p.scale if p else None for p in parts] + [p.zero_point if p else None for p in parts])
+
+
+RULE = EmbedNorm()
