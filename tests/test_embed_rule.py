@@ -1,0 +1,207 @@
+"""Embedding lookups + sum + LayerNorm become one EmbedLayerNormalization (or QEmbedLayerNormalization from QDQ
+tables) where the kernel computes the same, whatever form the position ids take."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import pytest
+from onnx import TensorProto
+
+import lnfuse
+from normgraphs import op_types, session
+
+H, V, P, T = 8, 20, 16, 2
+
+
+class _G:
+    """A small embedding block builder: ids [batch, seq] int64 in, norm out."""
+
+    def __init__(self):
+        self.nodes, self.inits = [], []
+        self.inputs = [oh.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])]
+        self.rng = np.random.default_rng(0)
+
+    def table(self, name, rows):
+        self.inits.append(onh.from_array(self.rng.normal(size=(rows, H)).astype(np.float32), name))
+        return name
+
+    def node(self, op, inputs, out, **attrs):
+        self.nodes.append(oh.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(self, name, array):
+        self.inits.append(onh.from_array(np.asarray(array), name))
+        return name
+
+    def norm(self, s, outputs=("Y",)):
+        self.const("gamma", self.rng.uniform(0.5, 1.5, H).astype(np.float32))
+        self.const("beta", self.rng.normal(size=H).astype(np.float32))
+        self.node("LayerNormalization", [s, "gamma", "beta"], "Y", epsilon=1e-5)
+        outs = [oh.make_tensor_value_info(o, TensorProto.FLOAT, ["batch", "seq", H]) for o in outputs]
+        model = oh.make_model(oh.make_graph(self.nodes, "embed", self.inputs, outs, self.inits),
+                              opset_imports=[oh.make_opsetid("", 17)])
+        model.ir_version = 8
+        onnx.checker.check_model(model)
+        return model
+
+    def arange_slice_positions(self):
+        """HF BERT: a registered [1, P] arange buffer sliced to the sequence length."""
+        self.const("pos_buffer", np.arange(P, dtype=np.int64).reshape(1, P))
+        shape = self.node("Shape", ["ids"], "ids_shape")
+        seq = self.node("Gather", [shape, self.const("one", np.array([1], np.int64))], "seq_len", axis=0)
+        return self.node("Slice", ["pos_buffer", self.const("zero", np.array([0], np.int64)), seq,
+                                   self.const("axis1", np.array([1], np.int64))], "pos_ids")
+
+    def range_positions(self):
+        """GPT-2: torch.arange(S) from the ids' shape, unsqueezed to [1, S]."""
+        shape = self.node("Shape", ["ids"], "ids_shape")
+        seq = self.node("Gather", [shape, self.const("one_s", np.array(1, np.int64))], "seq_len", axis=0)
+        arange = self.node("Range", [self.const("zero_s", np.array(0, np.int64)), seq,
+                                     self.const("step", np.array(1, np.int64))], "arange")
+        return self.node("Unsqueeze", [arange, self.const("axis0", np.array([0], np.int64))], "pos_ids")
+
+    def roberta_positions(self):
+        """RoBERTa: cumsum(ids != pad) * mask + pad."""
+        pad = self.const("pad", np.array(1, np.int64))
+        mask = self.node("Cast", [self.node("Not", [self.node("Equal", ["ids", pad], "is_pad")], "keep")],
+                         "mask", to=TensorProto.INT64)
+        cumsum = self.node("CumSum", [mask, self.const("ax", np.array(1, np.int64))], "cumsum")
+        return self.node("Add", [self.node("Mul", [cumsum, mask], "masked"), pad], "pos_ids")
+
+
+def _embed(model: onnx.ModelProto, expect: str = "EmbedLayerNormalization") -> tuple[onnx.NodeProto, onnx.ModelProto]:
+    result = lnfuse.fuse(model)
+    fused = result.model
+    nodes = [n for n in fused.graph.node if n.op_type == expect]
+    assert len(nodes) == 1, (op_types(fused), result.report.unfused)
+    rng = np.random.default_rng(1)
+    names = [i.name for i in model.graph.input]
+    for batch, seq in ((2, 5), (1, 9)):
+        feeds = {n: (rng.integers(0, T, size=(batch, seq)) if n == "tt" else
+                     rng.integers(2, 12, size=(batch, seq))).astype(np.int64) for n in names}
+        want = session(model).run(None, feeds)
+        got = session(fused).run(None, feeds)
+        for w, g in zip(want, got):
+            np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-3)
+    return nodes[0], fused
+
+
+def _bert(positions: str = "slice") -> onnx.ModelProto:
+    g = _G()
+    g.inputs.append(oh.make_tensor_value_info("tt", TensorProto.INT64, ["batch", "seq"]))
+    word = g.node("Gather", [g.table("word", V), "ids"], "word_emb")
+    pos_ids = g.arange_slice_positions() if positions == "slice" else g.roberta_positions()
+    pos = g.node("Gather", [g.table("pos", P + 2), pos_ids], "pos_emb")
+    seg = g.node("Gather", [g.table("seg", T), "tt"], "seg_emb")
+    return g.norm(g.node("Add", [g.node("Add", [word, pos], "wp"), seg], "s"))
+
+
+def test_bert_embeddings_with_arange_positions():
+    node, fused = _embed(_bert())
+    inputs = list(node.input) + [""] * (9 - len(node.input))
+    assert inputs[2:5] == ["word", "pos", "seg"] and inputs[7:] == ["", ""], "0..S-1 positions are implicit"
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["epsilon"] == pytest.approx(1e-5) and attrs["mask_index_type"] == 0
+    assert "Gather" not in op_types(fused) and "Slice" not in op_types(fused)
+
+
+def test_roberta_positions_are_passed_as_position_ids():
+    node, fused = _embed(_bert(positions="roberta"))
+    assert len(node.input) == 9 and node.input[8], "non-trivial positions go to the position_ids input"
+    assert "CumSum" in op_types(fused), "the nodes computing them are kept"
+
+
+def test_gpt2_style_without_segment():
+    g = _G()
+    word = g.node("Gather", [g.table("word", V), "ids"], "word_emb")
+    pos = g.node("Gather", [g.table("pos", P), g.range_positions()], "pos_emb")
+    node, _ = _embed(g.norm(g.node("Add", [pos, word], "s")))
+    assert node.input[1] == "" and node.input[2] == "word" and node.input[3] == "pos"
+    assert len(node.input) <= 8
+
+
+def test_explicit_position_ids_input():
+    g = _G()
+    g.inputs.append(oh.make_tensor_value_info("pids", TensorProto.INT64, ["batch", "seq"]))
+    word = g.node("Gather", [g.table("word", V), "ids"], "word_emb")
+    pos = g.node("Gather", [g.table("pos", P), "pids"], "pos_emb")
+    node, _ = _embed(g.norm(g.node("Add", [word, pos], "s")))
+    assert node.input[8].startswith("lnfuse_ids"), "int64 position ids are cast to int32"
+
+
+def test_embedding_sum_read_elsewhere_is_output_2():
+    g = _G()
+    g.inputs.append(oh.make_tensor_value_info("tt", TensorProto.INT64, ["batch", "seq"]))
+    word = g.node("Gather", [g.table("word", V), "ids"], "word_emb")
+    pos = g.node("Gather", [g.table("pos", P), g.arange_slice_positions()], "pos_emb")
+    seg = g.node("Gather", [g.table("seg", T), "tt"], "seg_emb")
+    s = g.node("Add", [g.node("Add", [word, pos], "wp"), seg], "s")
+    node, _ = _embed(g.norm(s, outputs=("Y", "s")))
+    assert len(node.output) == 3 and node.output[1] == "" and node.output[2] == "s"
+
+
+def test_partial_sum_read_elsewhere_is_not_embedded():
+    g = _G()
+    g.inputs.append(oh.make_tensor_value_info("tt", TensorProto.INT64, ["batch", "seq"]))
+    word = g.node("Gather", [g.table("word", V), "ids"], "word_emb")
+    pos = g.node("Gather", [g.table("pos", P), g.arange_slice_positions()], "pos_emb")
+    seg = g.node("Gather", [g.table("seg", T), "tt"], "seg_emb")
+    s = g.node("Add", [g.node("Add", [word, pos], "wp"), seg], "s")
+    model = g.norm(s, outputs=("Y", "wp"))
+    result = lnfuse.fuse(model)
+    assert "EmbedLayerNormalization" not in op_types(result.model)
+    # the kernel cannot output word + position alone: the last Add and the norm become a Skip op instead
+    assert "SkipLayerNormalization" in op_types(result.model)
+    feeds = {"ids": np.array([[3, 4, 5]]), "tt": np.array([[0, 1, 0]])}
+    for want, got in zip(session(model).run(None, feeds), session(result.model).run(None, feeds)):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_target_onnx_keeps_the_lookups():
+    result = lnfuse.fuse(_bert(), target="onnx")
+    assert "EmbedLayerNormalization" not in op_types(result.model)
+    assert "LayerNormalization" in op_types(result.model)
+
+
+def _qdq_bert(positions: str = "slice") -> onnx.ModelProto:
+    """The embedding block with uint8 per-tensor tables, gamma and beta behind DequantizeLinear."""
+    model = _bert(positions)
+    graph = model.graph
+    new_inits, dq_nodes = [], []
+    for init in list(graph.initializer):
+        if init.name not in ("word", "pos", "seg", "gamma", "beta"):
+            new_inits.append(init)
+            continue
+        data = onh.to_array(init)
+        lo, hi = float(min(data.min(), 0)), float(max(data.max(), 0))
+        scale = (hi - lo) / 255 or 1.0
+        zero = int(round(-lo / scale))
+        q = np.clip(np.round(data / scale) + zero, 0, 255).astype(np.uint8)
+        new_inits += [onh.from_array(q, init.name + "_q"), onh.from_array(np.array(scale, np.float32),
+                                                                          init.name + "_scale"),
+                      onh.from_array(np.array(zero, np.uint8), init.name + "_zp")]
+        dq_nodes.append(oh.make_node("DequantizeLinear", [init.name + "_q", init.name + "_scale",
+                                                          init.name + "_zp"], [init.name]))
+    del graph.initializer[:]
+    graph.initializer.extend(new_inits)
+    nodes = dq_nodes + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_qdq_embeddings_become_qembed():
+    node, fused = _embed(_qdq_bert(), expect="QEmbedLayerNormalization")
+    assert [node.input[i] for i in (2, 3, 4, 5, 6)] == ["word_q", "pos_q", "seg_q", "gamma_q", "beta_q"]
+    assert len(node.output) == 2 and node.output[1], "mask_index_out is a required output"
+    assert "DequantizeLinear" not in op_types(fused)
+
+
+def test_qdq_with_explicit_positions_keeps_float_kernel_and_never_drops_positions():
+    node, fused = _embed(_qdq_bert(positions="roberta"), expect="EmbedLayerNormalization")
+    assert node.input[8], "position ids are passed, never dropped"
+    assert "DequantizeLinear" in op_types(fused), "the float kernel reads the dequantized tables"
