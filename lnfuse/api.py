@@ -19,6 +19,7 @@ from lnfuse.errors import UsageError
 from lnfuse.report import Report
 from lnfuse.rule import ORT_ONLY_OPS_NOTE, Rule
 from lnfuse.rules import all_rules
+from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
 from lnfuse.whole_model import compare_models
 
 TARGETS = ("ort", "onnx")
@@ -56,7 +57,8 @@ def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None =
 
 def fuse(model: str | os.PathLike | onnx.ModelProto, *, target: str = "ort", verify: bool = True,
          only: Iterable[str] | None = None, skip: Iterable[str] | None = None, upgrade_opset: bool = False,
-         verify_model: bool = False, inputs: dict[str, np.ndarray] | None = None) -> FuseResult:
+         verify_model: bool = False, inputs: dict[str, np.ndarray] | None = None,
+         quantize_embeddings: str | None = None) -> FuseResult:
     """Fuse normalization subgraphs into single ops; every rewrite is verified in ONNX Runtime unless
     ``verify=False``. The input (file or proto) is never modified.
 
@@ -70,9 +72,13 @@ def fuse(model: str | os.PathLike | onnx.ModelProto, *, target: str = "ort", ver
     ``target="onnx"`` writes only standard ONNX ops; ``upgrade_opset=True`` then converts an older model to the
     opset the fused ops need, kept only if the whole upgraded model still computes the same outputs.
     ``verify_model=True`` also runs the whole original and fused models (on ``inputs`` or random data).
+    ``quantize_embeddings="uint8"|"int8"`` then turns the fused EmbedLayerNormalization nodes into
+    QEmbedLayerNormalization and reports the worst difference to the float model.
     """
     if target not in TARGETS:
         raise UsageError(f"unknown target '{target}'; use one of {', '.join(TARGETS)}")
+    if quantize_embeddings is not None and (quantize_embeddings not in SCHEMES or target != "ort"):
+        raise UsageError(f"--quantize-embeddings takes {' or '.join(SCHEMES)} and needs --target ort")
     start = time.perf_counter()
     options = Options(target=target, verify=verify, rules=select_rules(only, skip))
     loaded = io.load(model)
@@ -81,6 +87,8 @@ def fuse(model: str | os.PathLike | onnx.ModelProto, *, target: str = "ort", ver
     report = _run(loaded, options, source)
     if upgrade_opset and target == "onnx" and any(u.check == "opset" for u in report.unfused):
         loaded, report = _upgraded(loaded, options, source, report, original, inputs)
+    if quantize_embeddings:
+        _quantize(loaded, report, quantize_embeddings)
     if verify_model:
         report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
                                             base_dir=loaded.path.parent if loaded.path else None)
@@ -127,6 +135,17 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     upgraded_report.notes.append(f"upgraded from opset {loaded.model.opset_imports.get('')} to {needed} with "
                                  f"onnx's version converter; whole model verified ({check['summary']})")
     return upgraded, upgraded_report
+
+
+def _quantize(loaded: io.Loaded, report: Report, scheme: str) -> None:
+    float_model = ir.serde.serialize_model(loaded.model)
+    names = {v.name for n in loaded.model.graph for v in n.outputs} | set(loaded.model.graph.initializers)
+    count = quantize_embeddings(loaded.model, scheme, names, report)
+    if count:
+        check = accuracy(float_model, ir.serde.serialize_model(loaded.model))
+        report.notes.append(f"quantized {count} embedding block(s) to {scheme}; against the float model on random "
+                            f"valid ids: worst output difference {max(check['outputs'].values()):.3g}")
+        report.ops_after = _op_counts(loaded.model)
 
 
 def _op_counts(model: ir.Model) -> dict[str, int]:

@@ -55,6 +55,9 @@ def _parser(command: str) -> argparse.ArgumentParser:
                             "models and report the worst difference per output")
         parser.add_argument("--inputs", metavar="FILE.npz", help="inputs for --verify model (default: random)")
         parser.add_argument("--in-place", action="store_true", help="allow the output to be the input file")
+        parser.add_argument("--quantize-embeddings", choices=("uint8", "int8"),
+                            help="write QEmbedLayerNormalization with per-tensor quantized tables (changes numbers; "
+                                 "the report gives the worst difference to the float model)")
         parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
         parser.add_argument("-v", "--verbose", action="store_true", help="list every fused and unfused candidate")
     return parser
@@ -102,7 +105,8 @@ def _run(command: str, args: argparse.Namespace) -> int:
                 from None
     result = fuse(args.model, target=args.target, verify=not args.no_verify, only=_rules(args.only),
                   skip=_rules(args.skip), upgrade_opset=args.upgrade_opset,
-                  verify_model=getattr(args, "verify", None) == "model", inputs=inputs)
+                  verify_model=getattr(args, "verify", None) == "model", inputs=inputs,
+                  quantize_embeddings=getattr(args, "quantize_embeddings", None))
     report = result.report
     if command == "explain":
         print(report.to_json() if args.json else report.explain())

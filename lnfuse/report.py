@@ -45,7 +45,10 @@ class Report:
     model_check: dict | None = None
 
     def fused_counts(self) -> dict[str, int]:
-        return dict(Counter(f.op_type for f in self.fused))
+        """Fused ops in the written model, by type (a norm later folded into a Skip op counts once, as Skip)."""
+        made = Counter(f.op_type for f in self.fused)
+        return {op: self.ops_after.get(op, 0) - self.ops_before.get(op, 0) for op in sorted(made)
+                if self.ops_after.get(op, 0) > self.ops_before.get(op, 0)}
 
     def worst_errors(self) -> dict[str, float]:
         worst: dict[str, float] = {}

@@ -302,8 +302,8 @@ class Gpt2MLP(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.c_fc = nn.Linear(cfg.hidden, cfg.intermediate)
-        # GPT-2's gelu_new is the tanh approximation; its Pow(x, 3) sits in the
-        # graph next to the norms' Pow(x, 2), which a matcher must not confuse.
+        # GPT-2's gelu_new is the tanh approximation (Tanh and x*x*x in the
+        # graph, where BERT has Erf).
         self.act = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(cfg.intermediate, cfg.hidden)
 
@@ -500,14 +500,19 @@ def build_bert_embeddings(seed: int = 4) -> BertEmbeddings:
 # --------------------------------------------------------------------------- inputs
 
 
-def bert_inputs(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    cfg = Config()
+def padded_attention_mask(batch: int, seq: int) -> np.ndarray:
     mask = np.ones((batch, seq), dtype=np.int64)
     # Trailing padding on all but the first row, so masking is exercised
     # while every row keeps at least one real token.
     for row in range(1, batch):
         mask[row, seq - row :] = 0
+    return mask
+
+
+def bert_inputs(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    cfg = Config()
+    mask = padded_attention_mask(batch, seq)
     token_types = np.zeros((batch, seq), dtype=np.int64)
     token_types[:, seq // 2 :] = 1
     return {
@@ -529,7 +534,7 @@ def roberta_inputs(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
     and padded slots hold it; padding then gets position padding_idx as in HF.
     """
     rng = np.random.default_rng(seed)
-    mask = bert_inputs(batch, seq, seed)["attention_mask"]
+    mask = padded_attention_mask(batch, seq)
     ids = rng.integers(ROBERTA_PAD + 1, ROBERTA_CONFIG.vocab_size, (batch, seq), dtype=np.int64)
     ids[mask == 0] = ROBERTA_PAD
     return {"input_ids": ids, "attention_mask": mask}
@@ -627,6 +632,9 @@ def export_legacy_qdq(
         {name: v for name, v in bert_inputs(2, 8, seed).items() if name in inputs}
         for seed in range(100, 104)
     ]
+    # quantize_static logs a hint to run quant_pre_process first; that is
+    # skipped on purpose, as its ORT optimization pass would fuse the
+    # LayerNorm this sample exists to leave decomposed.
     with tempfile.TemporaryDirectory() as tmp:
         float_path, qdq_path = Path(tmp) / "float.onnx", Path(tmp) / "qdq.onnx"
         onnx.save_model(float_model, str(float_path))

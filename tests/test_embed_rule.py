@@ -205,3 +205,26 @@ def test_qdq_with_explicit_positions_keeps_float_kernel_and_never_drops_position
     node, fused = _embed(_qdq_bert(positions="roberta"), expect="EmbedLayerNormalization")
     assert node.input[8], "position ids are passed, never dropped"
     assert "DequantizeLinear" in op_types(fused), "the float kernel reads the dequantized tables"
+
+
+@pytest.mark.parametrize("scheme", ["uint8", "int8"])
+def test_quantize_embeddings_on_request(scheme):
+    model = _bert()
+    result = lnfuse.fuse(model, quantize_embeddings=scheme)
+    nodes = [n for n in result.model.graph.node if n.op_type == "QEmbedLayerNormalization"]
+    assert len(nodes) == 1 and "EmbedLayerNormalization" not in op_types(result.model)
+    dtypes = {t.name: t.data_type for t in result.model.graph.initializer}
+    want = TensorProto.UINT8 if scheme == "uint8" else TensorProto.INT8
+    assert all(dtypes[nodes[0].input[i]] == want for i in (2, 3, 4, 5, 6))
+    note = next(n for n in result.report.notes if "quantized 1 embedding" in n)
+    worst = float(note.rsplit(" ", 1)[-1])
+    assert 0 < worst < 0.2, note
+    feeds = {"ids": np.array([[2, 3, 4]]), "tt": np.array([[0, 1, 1]])}
+    np.testing.assert_allclose(session(result.model).run(None, feeds)[0], session(model).run(None, feeds)[0],
+                               atol=0.2)
+
+
+def test_quantize_never_drops_position_ids():
+    result = lnfuse.fuse(_bert(positions="roberta"), quantize_embeddings="uint8")
+    assert "QEmbedLayerNormalization" not in op_types(result.model)
+    assert any(u.rule == "quantize_embeddings" and "position_ids" in u.reason for u in result.report.unfused)

@@ -1,0 +1,113 @@
+"""``--quantize-embeddings``: turn float EmbedLayerNormalization nodes into QEmbedLayerNormalization.
+
+This is the one rewrite that changes numbers on purpose, so it runs only when asked, after fusion, and the report
+says how far the quantized model is from the float one on random valid ids. Tables, gamma and beta are quantized
+per tensor: uint8 asymmetric (zero point anywhere in 0..255) or int8 symmetric (zero point 0), dequantized by the
+kernel as ``(q - zero_point) * scale``. Nodes with position ids or an embedding_sum output are left as they are:
+QEmbedLayerNormalization has neither (ONNX Runtime's own quantizer silently drops position_ids).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from lnfuse.constants import static_value
+from lnfuse.report import Fused, Report, Unfused
+from lnfuse.rule import GraphContext
+from lnfuse.whole_model import compare_models, random_inputs
+
+SCHEMES = ("uint8", "int8")
+
+
+def quantize_embeddings(model: ir.Model, scheme: str, names: set[str], report: Report) -> int:
+    """Rewrite every eligible EmbedLayerNormalization of the main graph; returns how many were rewritten."""
+    graph = model.graph
+    ctx = GraphContext(graph, model.opset_imports.get("", 1), "ort", "main", names)
+    done = 0
+    for node in [n for n in graph if n.op_type == "EmbedLayerNormalization" and n.domain == "com.microsoft"]:
+        reason = _ineligible(node)
+        if reason:
+            report.unfused.append(Unfused("quantize_embeddings", "main", f"EmbedLayerNormalization '{node.name}'",
+                                          "quantize", reason, [node.name]))
+            continue
+        inputs = list(node.inputs) + [None] * (9 - len(node.inputs))
+        ids, seg_ids, word, pos, seg, gamma, beta, mask = inputs[:8]
+        parts = [_quantize(ctx, v, scheme) if v is not None else None for v in (word, pos, seg, gamma, beta)]
+        qinputs = [ids, seg_ids] + [p[0] if p else None for p in parts] + [mask] + \
+            [p[1] if p else None for p in parts] + [p[2] if p else None for p in parts]
+        epsilon = node.attributes["epsilon"].value if "epsilon" in node.attributes else 1e-12
+        fused = ctx.node("QEmbedLayerNormalization", qinputs, {"epsilon": epsilon}, domain="com.microsoft",
+                         num_outputs=2, hint=node.name)
+        for value in qinputs:
+            if value is not None and value.const_value is not None and value.graph is None:
+                graph.register_initializer(value)
+        old_out = node.outputs[0]
+        fused.outputs[0].type, fused.outputs[0].shape = old_out.type, old_out.shape
+        if len(node.outputs) > 1 and (node.outputs[1].uses() or node.outputs[1].is_graph_output()):
+            node.outputs[1].replace_all_uses_with(fused.outputs[1], replace_graph_outputs=True)
+        graph.insert_after(node, [fused])
+        name = old_out.name
+        old_out.replace_all_uses_with(fused.outputs[0], replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        fused.outputs[0].name = name
+        report.fused.append(Fused("quantize_embeddings", "QEmbedLayerNormalization", "main", [node.name],
+                                  {"epsilon": epsilon, "scheme": scheme}, None))
+        done += 1
+    for name, value in list(graph.initializers.items()):
+        if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
+            del graph.initializers[name]
+    return done
+
+
+def _ineligible(node: ir.Node) -> str:
+    inputs = list(node.inputs) + [None] * (9 - len(node.inputs))
+    if inputs[8] is not None:
+        return "it uses position_ids, which QEmbedLayerNormalization does not take"
+    if len(node.outputs) > 2 and node.outputs[2].name and (node.outputs[2].uses() or node.outputs[2].is_graph_output()):
+        return "its embedding_sum output is read, which QEmbedLayerNormalization does not produce"
+    if any(v is not None and static_value(v) is None for v in inputs[2:7]):
+        return "its tables, gamma or beta are not constants"
+    return ""
+
+
+def _quantize(ctx: GraphContext, value: ir.Value, scheme: str) -> tuple[ir.Value, ir.Value, ir.Value]:
+    data = static_value(value).astype(np.float32)
+    if scheme == "int8":
+        scale = float(np.abs(data).max()) / 127 or 1.0
+        zero = 0
+        q = np.clip(np.round(data / scale), -127, 127).astype(np.int8)
+        zp = np.array(zero, dtype=np.int8)
+    else:
+        lo, hi = min(float(data.min()), 0.0), max(float(data.max()), 0.0)
+        scale = (hi - lo) / 255 or 1.0
+        zero = int(np.clip(round(-lo / scale), 0, 255))
+        q = np.clip(np.round(data / scale) + zero, 0, 255).astype(np.uint8)
+        zp = np.array(zero, dtype=np.uint8)
+    return (ctx.constant(q, f"{value.name}_quant"), ctx.constant(np.array(scale, np.float32), f"{value.name}_scale"),
+            ctx.constant(zp, f"{value.name}_zero_point"))
+
+
+def accuracy(float_model: onnx.ModelProto, quantized: onnx.ModelProto) -> dict:
+    """Worst difference between the float and the quantized model on random ids valid for every table."""
+    return compare_models(float_model, quantized, _valid_ids(float_model))
+
+
+def _valid_ids(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    feeds = random_inputs(model, seed=7)
+    rows = {t.name: t.dims[0] for t in model.graph.initializer if len(t.dims) == 2}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    rng = np.random.default_rng(7)
+    for node in model.graph.node:
+        tables = {"Gather": [(0, 1)], "EmbedLayerNormalization": [(2, 0), (4, 1), (3, 8)]}.get(node.op_type, [])
+        for table_index, ids_index in tables:
+            if len(node.input) <= max(table_index, ids_index) or not node.input[ids_index]:
+                continue
+            ids = node.input[ids_index]
+            while ids in producers and producers[ids].op_type == "Cast":
+                ids = producers[ids].input[0]
+            bound = rows.get(node.input[table_index])
+            if ids in feeds and bound and np.issubdtype(feeds[ids].dtype, np.integer):
+                feeds[ids] = rng.integers(0, bound, size=feeds[ids].shape).astype(feeds[ids].dtype)
+    return feeds
