@@ -13,6 +13,7 @@ from typing import Iterator
 
 import onnx_ir as ir
 
+from lnfuse.canonical import canonicalize
 from lnfuse.pattern import Match
 from lnfuse.report import Fused, Report, Unfused
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
@@ -57,9 +58,8 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
     names = _all_names(model)
     opsets_used: dict[str, int] = {}
     for scope in scopes(model):
-        removed = drop_noop_casts(scope.graph)
-        if removed:
-            report.notes.append(f"{scope.path}: removed {removed} Cast(s) to the dtype their input already has")
+        for what in canonicalize(scope.graph):
+            report.notes.append(f"{scope.path}: removed {what}")
         ctx = GraphContext(scope.graph, scope.opset, options.target, scope.path, names)
         refusals: list[tuple[Rule, _Pass]] = []
         for rule in options.rules:
@@ -79,24 +79,6 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
         for function in model.functions.values():
             if any(n.domain == domain for n in function):
                 function.opset_imports.setdefault(domain, version)
-
-
-def drop_noop_casts(graph: ir.Graph | ir.Function) -> int:
-    """Exporters keep ``Cast(to=float)`` on float tensors; readers of such a Cast read its input. Removing them lets
-    a norm and the residual that reads the same tensor see one value."""
-    host = graph.graph if isinstance(graph, ir.Function) else graph
-    removed = 0
-    for node in list(host):
-        if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
-            continue
-        source, out = node.inputs[0], node.outputs[0]
-        to = node.attributes.get("to")
-        if to is None or source.type is None or source.dtype != ir.DataType(to.value) or out.is_graph_output():
-            continue
-        out.replace_all_uses_with(source)
-        host.remove(node, safe=True)
-        removed += 1
-    return removed
 
 
 def scopes(model: ir.Model) -> Iterator[Scope]:

@@ -271,6 +271,6 @@ def session(model: onnx.ModelProto | bytes | str, optimize: bool = False) -> ort
     options = ort.SessionOptions()
     options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                         else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    options.log_severity_level = 3
+    options.log_severity_level = 4
     data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])

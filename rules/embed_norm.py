@@ -175,7 +175,12 @@ def _is_arange(ids: ir.Value, depth: int = 0) -> bool:
     if node is None or depth > 6:
         return False
     if node.op_type in ("Cast", "Unsqueeze", "Expand", "Identity"):
-        # position ids broadcast over the batch, or widened: still 0..n-1 along the last axis
+        # position ids broadcast over the batch, or widened: still 0..n-1 along the last axis, unless the last
+        # axis itself is broadcast (a constant 0 expanded to [B, S] is not 0..S-1)
+        source = node.inputs[0]
+        if node.op_type == "Expand" and (source.shape is None or ids.shape is None or len(source.shape) == 0
+                                         or not _same_dim(source.shape[-1], ids.shape[-1])):
+            return False
         axes = attr_value(node, "axes")
         if node.op_type == "Unsqueeze" and axes is None and len(node.inputs) > 1:
             found = static_value(node.inputs[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -14,15 +15,20 @@ from lnfuse.whole_model import compare_models, random_inputs
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 LAYER = ("LayerNormalization", "SkipLayerNormalization")
 RMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
-# (norm ops, norms in the model, residual norms among them)
+# (norm ops, norms in the model, residual norms among them, embedding blocks)
 EXPECTED = {
-    "bert_tiny_legacy_op14.onnx": (LAYER, 5, 4),
-    "bert_tiny_dynamo_op18.onnx": (LAYER, 5, 4),
-    "bert_tiny_fp16_legacy_op14.onnx": (LAYER, 5, 4),
-    "llama_tiny_legacy_op14.onnx": (RMS, 5, 4),
-    "llama_tiny_dynamo_op18.onnx": (RMS, 5, 4),
-    "llama_tiny_fp16_legacy_op17.onnx": (RMS, 5, 4),
+    "bert_tiny_legacy_op14.onnx": (LAYER, 5, 4, 1),
+    "bert_tiny_dynamo_op18.onnx": (LAYER, 5, 4, 1),
+    "bert_tiny_fp16_legacy_op14.onnx": (LAYER, 5, 4, 1),
+    "roberta_tiny_legacy_op14.onnx": (LAYER, 5, 4, 1),
+    "roberta_tiny_dynamo_op18.onnx": (LAYER, 5, 4, 1),
+    "gpt2_tiny_legacy_op14.onnx": (LAYER, 5, 4, 1),
+    "bert_embeddings_qdq_op14.onnx": (LAYER, 1, 0, 1),
+    "llama_tiny_legacy_op14.onnx": (RMS, 5, 4, 0),
+    "llama_tiny_dynamo_op18.onnx": (RMS, 5, 4, 0),
+    "llama_tiny_fp16_legacy_op17.onnx": (RMS, 5, 4, 0),
 }
+EMBED = ("EmbedLayerNormalization", "QEmbedLayerNormalization")
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -31,12 +37,12 @@ def test_sample_model_fuses_every_norm(name):
     original = onnx.load(path)
     result = lnfuse.fuse(path)
     fused = result.model
-    (plain, skip), total, residual = EXPECTED[name]
+    (plain, skip), total, residual, embeds = EXPECTED[name]
     ops = [n.op_type for n in fused.graph.node]
-    assert ops.count(plain) + ops.count(skip) + ops.count("EmbedLayerNormalization") == total
+    found_embeds = sum(ops.count(op) for op in EMBED)
+    assert ops.count(plain) + ops.count(skip) + found_embeds == total
     assert ops.count(skip) >= residual, "every residual norm becomes a Skip op"
-    if plain == "LayerNormalization":
-        assert ops.count("EmbedLayerNormalization") == 1, "one Embed op per embedding block"
+    assert found_embeds == embeds, "exactly one Embed op per embedding block"
     assert "ReduceMean" not in ops
     assert not result.report.unfused
     assert fused.ir_version == original.ir_version, "the IR version is kept"
@@ -79,3 +85,14 @@ def test_fp16_model_keeps_its_dtype_at_the_norm_boundary():
                          for n in norms)
     # the fp32 Casts around each norm's statistics were folded into stash_type
     assert [n.op_type for n in graph.node].count("Cast") <= 32 - 2 * len(norms)
+
+
+def test_roberta_positions_are_passed_not_dropped():
+    fused = lnfuse.fuse(SAMPLES / "roberta_tiny_legacy_op14.onnx").model
+    embed = next(n for n in fused.graph.node if n.op_type == "EmbedLayerNormalization")
+    assert len(embed.input) == 9 and embed.input[8], "cumsum(mask) + padding_idx positions go to position_ids"
+    original = onnx.load(SAMPLES / "roberta_tiny_legacy_op14.onnx")
+    feeds = random_inputs(original, seed=2)
+    feeds["input_ids"] = np.array([[0, 5, 6, 7, 2, 1, 1], [0, 9, 8, 2, 1, 1, 1]], dtype=np.int64)  # padded
+    feeds["attention_mask"] = (feeds["input_ids"] != 1).astype(np.int64)
+    assert compare_models(original, fused, feeds)["ok"]
