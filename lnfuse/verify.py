@@ -92,12 +92,14 @@ class _Region:
         old_nodes = _graph_order(context + list(rep.region))
         produced_old = {v for n in old_nodes for v in n.outputs}
         reads = _reads(old_nodes, produced_old) + new_reads
+        # lookup tables are never read to verify: the region computes the same for any table contents
+        tables = {n.inputs[0] for n in old_nodes if n.op_type == "Gather"}
         self.inputs, self.constants, seen = [], [], set()
         for value in reads:
             if value in seen:
                 continue
             seen.add(value)
-            if is_static(value) and not _large(value):
+            if is_static(value) and not _large(value) and value not in tables:
                 self.constants.append(value)
             else:
                 self.inputs.append(value)

@@ -22,10 +22,12 @@ _WIDTH = {ir.DataType.FLOAT16: 16, ir.DataType.BFLOAT16: 16, ir.DataType.FLOAT: 
 # ---- pattern pieces ---------------------------------------------------------------------------------------------
 
 def mean_over(x: Pattern, name: str) -> Pattern:
-    """ReduceMean(x) with the reduced axes kept: keepdims=1, or keepdims=0 followed by an Unsqueeze that restores
-    them (``reduced_axes`` proves the Unsqueeze puts them back where they were)."""
+    """The mean of x over some axes, kept: ReduceMean with keepdims=1, ReduceMean with keepdims=0 followed by an
+    Unsqueeze that restores the axes (``reduced_axes`` proves it), or GlobalAveragePool (tf2onnx), which is the mean
+    over every axis after the second."""
     reduce = Op("ReduceMean", x, name=name, extra_inputs=True)
-    return Either(reduce, Op("Unsqueeze", reduce, name=f"{name}_unsqueeze", extra_inputs=True))
+    return Either(reduce, Op("Unsqueeze", reduce, name=f"{name}_unsqueeze", extra_inputs=True),
+                  Op("GlobalAveragePool", x, name=name))
 
 
 def square(d: Pattern, name: str) -> Pattern:
@@ -50,6 +52,10 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
     node = m.node(name)
     x = node.inputs[0]
     rank = rank_of(x)
+    if node.op_type == "GlobalAveragePool":
+        if rank is None or rank < 3:
+            raise Refusal("axes", f"GlobalAveragePool '{node.name}' needs an input of known rank >= 3")
+        return tuple(range(2 - rank, 0))
     axes = attr_value(node, "axes")
     if axes is None and len(node.inputs) > 1 and node.inputs[1] is not None:
         found = static_value(node.inputs[1])

@@ -63,7 +63,7 @@ FOLDED = maybe_cast(Either(
 
 class LayerNorm(Rule):
     name = "layer_norm"
-    anchors = frozenset({"ReduceMean"})
+    anchors = frozenset({"ReduceMean", "GlobalAveragePool"})
     patterns = (UNFLATTENED, STANDARD, FOLDED)
     near_misses = (
         (Op("Div", Op("Sub", Var("x"), mean_over(Var("x"), "mean")),

@@ -36,7 +36,7 @@ PATTERN = affine(normalize(maybe_cast(X, cast="d_cast", name="d_num"), VAR_EPS))
 
 class RmsNorm(Rule):
     name = "rms_norm"
-    anchors = frozenset({"ReduceMean"})
+    anchors = frozenset({"ReduceMean", "GlobalAveragePool"})
     patterns = (PATTERN,)
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:

@@ -164,3 +164,32 @@ def test_unsqueeze_restoring_other_axes_is_refused():
     result = lnfuse.fuse(model)
     assert "LayerNormalization" not in op_types(result.model)
     assert any(u.check == "keepdims" for u in result.report.unfused)
+
+
+def test_tf2onnx_global_average_pool_mean():
+    """tf2onnx writes a mean over the trailing axes as GlobalAveragePool (every axis after the second)."""
+    nodes = [
+        oh.make_node("GlobalAveragePool", ["X"], ["mean"]),
+        oh.make_node("Sub", ["X", "mean"], ["d"]),
+        oh.make_node("Mul", ["d", "d"], ["sq"]),
+        oh.make_node("GlobalAveragePool", ["sq"], ["var"]),
+        oh.make_node("Add", ["var", "eps"], ["ve"]),
+        oh.make_node("Sqrt", ["ve"], ["std"]),
+        oh.make_node("Reciprocal", ["std"], ["inv"]),
+        oh.make_node("Mul", ["inv", "gamma"], ["k"]),
+        oh.make_node("Mul", ["X", "k"], ["xk"]),
+        oh.make_node("Mul", ["mean", "k"], ["mk"]),
+        oh.make_node("Sub", ["beta", "mk"], ["shift"]),
+        oh.make_node("Add", ["xk", "shift"], ["Y"]),
+    ]
+    rng = np.random.default_rng(2)
+    inits = [onh.from_array(np.array(1e-3, np.float32), "eps"),
+             onh.from_array(rng.uniform(0.5, 1.5, 8).astype(np.float32), "gamma"),
+             onh.from_array(rng.normal(size=8).astype(np.float32), "beta")]
+    graph = oh.make_graph(nodes, "keras", [oh.make_tensor_value_info("X", TensorProto.FLOAT, [2, 3, 8])],
+                          [oh.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 3, 8])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    result = lnfuse.fuse(model)
+    assert op_types(result.model) == ["LayerNormalization"], result.report.unfused
+    _same_outputs(model, result.model, feeds_for(model))
