@@ -153,8 +153,7 @@ def _replacement(node: ir.Node, inverse: _Inverse, ctx: GraphContext, model: ir.
     if node.domain != "com.microsoft":
         axis = int(attr_value(node, "axis", -1))
         attrs["axis"] = axis - rank if axis >= 0 else axis
-        if attr_value(node, "stash_type", 1) != 1:
-            raise Refusal("dtype", "only stash_type=1 (float32 statistics) has a reference function")
+        attrs["stash_type"] = int(attr_value(node, "stash_type", 1))
     if any(v is not None and v.dtype != x.dtype for v in node.inputs[1:]):
         raise Refusal("dtype", "inputs of different dtypes: the reference keeps one dtype")
     actual = {}
@@ -189,8 +188,11 @@ def _inline(function, actual: dict[str, ir.Value], attrs: dict, ctx: GraphContex
     graph = onnx.helper.make_graph([call], "inverse", inputs,
                                    [onnx.helper.make_value_info(f"out{i}", onnx.TypeProto())
                                     for i in range(len(proto.output))])
+    # the inliner only inlines a function whose opset matches the model's: inline at the function's own opset
+    # (every op the references use means the same from 18 to the newest opset), then lower for older models
+    function_opset = next(o.version for o in proto.opset_import if o.domain == "")
     small = onnx.helper.make_model(graph, functions=[proto], opset_imports=[
-        onnx.helper.make_opsetid("", max(ctx.opset, 18)), onnx.helper.make_opsetid(proto.domain, 1)])
+        onnx.helper.make_opsetid("", function_opset), onnx.helper.make_opsetid(proto.domain, 1)])
     small.ir_version = 10
     inlined = onnx.shape_inference.infer_shapes(onnx.inliner.inline_local_functions(small))
     body = ir.serde.deserialize_model(inlined).graph

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript import FLOAT, script
+from onnxscript import script
 from onnxscript import opset18 as op
 
 from lnfuse.constants import static_value
@@ -21,11 +21,11 @@ from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inver
 
 
 @script(default_opset=op)
-def reference(X, Scale, B, axis: int = -1, epsilon: float = 1e-5):
-    """LayerNormalization-17 with stash_type=1 (statistics in float32), for a negative ``axis``:
+def reference(X, Scale, B, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1):
+    """LayerNormalization-17 with the statistics in ``stash_type`` (1: float32), for a negative ``axis``:
     (Y, Mean, InvStdDev)."""
     axes = op.Range(op.Constant(value_int=axis), op.Constant(value_int=0), op.Constant(value_int=1))
-    xf = op.Cast(X, to=FLOAT.dtype)
+    xf = op.Cast(X, to=stash_type)
     mean = op.ReduceMean(xf, axes)
     d = op.Sub(xf, mean)
     var = op.ReduceMean(op.Mul(d, d), axes)

@@ -7,7 +7,7 @@ ORT-only) with ``--target ort`` on older opsets and for bfloat16, which RMSNorma
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnxscript import FLOAT, script
+from onnxscript import script
 from onnxscript import opset18 as op
 
 from lnfuse.pattern import Match, Op, Var, maybe_cast
@@ -18,11 +18,11 @@ from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inver
 
 
 @script(default_opset=op)
-def reference(X, Scale, axis: int = -1, epsilon: float = 1e-5):
-    """RMSNormalization-23 / SimplifiedLayerNormalization with stash_type=1, for a negative ``axis``:
+def reference(X, Scale, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1):
+    """RMSNormalization-23 / SimplifiedLayerNormalization with the statistics in ``stash_type``, for a negative ``axis``:
     (Y, inverse RMS)."""
     axes = op.Range(op.Constant(value_int=axis), op.Constant(value_int=0), op.Constant(value_int=1))
-    xf = op.Cast(X, to=FLOAT.dtype)
+    xf = op.Cast(X, to=stash_type)
     mean_square = op.ReduceMean(op.Mul(xf, xf), axes)
     eps = op.CastLike(op.Constant(value_float=epsilon), mean_square)
     rms = op.Sqrt(op.Add(mean_square, eps))
