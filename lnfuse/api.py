@@ -38,10 +38,13 @@ class FuseResult:
     def model(self) -> onnx.ModelProto:
         return ir.serde.serialize_model(self.ir_model)
 
-    def save(self, path: str | os.PathLike, *, in_place: bool = False) -> None:
-        """Write atomically; external data stays external (in ``<path>.data``)."""
-        io.save(self.ir_model, path, external_data=self.has_external_data, input_path=self.source_path,
-                in_place=in_place)
+    def save(self, path: str | os.PathLike, *, in_place: bool = False, external_data: str = "keep") -> None:
+        """Write atomically. External weights stay external: ``"keep"`` references the input's data files
+        (hard-linked beside the output if it goes to another folder), ``"single"`` writes ``<path>.data``."""
+        if external_data not in io.EXTERNAL_LAYOUTS:
+            raise UsageError(f"unknown external data layout '{external_data}'; use {' or '.join(io.EXTERNAL_LAYOUTS)}")
+        io.save(self.ir_model, path, external_data=external_data if self.has_external_data else None,
+                input_path=self.source_path, in_place=in_place)
 
 
 def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None = None) -> tuple[Rule, ...]:

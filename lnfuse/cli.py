@@ -55,6 +55,9 @@ def _parser(command: str) -> argparse.ArgumentParser:
                             "models and report the worst difference per output")
         parser.add_argument("--inputs", metavar="FILE.npz", help="inputs for --verify model (default: random)")
         parser.add_argument("--in-place", action="store_true", help="allow the output to be the input file")
+        parser.add_argument("--external-data", choices=("keep", "single"), default="keep",
+                            help="models with external weights: keep = reference the input's data files (linked "
+                                 "beside the output, never rewritten; default); single = write <output>.data")
         parser.add_argument("--quantize-embeddings", choices=("uint8", "int8"),
                             help="write QEmbedLayerNormalization with per-tensor quantized tables (changes numbers; "
                                  "the report gives the worst difference to the float model)")
@@ -115,7 +118,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
         print(f"lnfuse: error: the fused model differs from the original ({report.model_check['summary']}); "
               "nothing was written, please report this model", file=sys.stderr)
         return 1
-    result.save(args.output, in_place=args.in_place)
+    result.save(args.output, in_place=args.in_place, external_data=args.external_data)
     if args.report:
         Path(args.report).write_text(report.to_json())
     if args.json:

@@ -180,10 +180,16 @@ def _all_graphs(model: ir.Model):
         yield function
 
 
-def save(model: ir.Model, path: str | os.PathLike, *, external_data: bool, input_path: Path | None = None,
+#: how external weights are written: "keep" references the input's data files (linked or copied beside the
+#: output when it goes to another folder, never rewritten); "single" writes one new ``<output>.data`` file
+EXTERNAL_LAYOUTS = ("keep", "single")
+
+
+def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None, input_path: Path | None = None,
          in_place: bool = False) -> None:
     """Write ``model`` to ``path`` atomically: everything goes to a temporary folder beside the target, then each
-    file is renamed into place, data first. A crash or Ctrl-C leaves no partial output."""
+    file is renamed into place, data first. A crash or Ctrl-C leaves no partial output, and the input's data files
+    are never written to."""
     target = Path(path)
     if input_path is not None and not in_place and _same_file(target, input_path):
         raise OutputError(f"{target}: the output would overwrite the input; choose another path or pass --in-place")
@@ -192,26 +198,59 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: bool, input
         raise OutputError(f"{target}: folder '{folder}' does not exist; create it first")
     if not os.access(folder, os.W_OK):
         raise OutputError(f"{target}: folder '{folder}' is not writable; choose another output path")
-    data_name = target.name + ".data"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".lnfuse-tmp", dir=folder))
+    tmp = None
     try:
-        tmp_model = tmp / target.name
-        if external_data:
-            ir.save(model, tmp_model, external_data=data_name)
-        else:
-            proto = ir.serde.serialize_model(model)
-            if proto.ByteSize() > onnx.checker.MAXIMUM_PROTOBUF:
-                ir.save(model, tmp_model, external_data=data_name)
-            else:
-                tmp_model.write_bytes(proto.SerializeToString())
-        for produced in sorted(tmp.iterdir(), key=lambda p: p.name == target.name):
-            os.replace(produced, folder / produced.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".lnfuse-tmp", dir=folder))
+        _write(model, tmp / target.name, external_data, folder)
+        produced = sorted((p for p in tmp.rglob("*") if p.is_file()), key=lambda p: p.name == target.name)
+        for file in produced:
+            final = folder / file.relative_to(tmp)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, final)
     except OSError as error:
         raise OutputError(f"{target}: could not write ({error.strerror or error}); check the path and free space")\
             from None
     finally:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(tmp)
+
+
+def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: Path) -> None:
+    data_name = tmp_model.name + ".data"
+    if external_data == "single":
+        ir.save(model, tmp_model, external_data=data_name)
+        return
+    proto = ir.serde.serialize_model(model)
+    if proto.ByteSize() > onnx.checker.MAXIMUM_PROTOBUF:
+        ir.save(model, tmp_model, external_data=data_name)
+        return
+    tmp_model.write_bytes(proto.SerializeToString())
+    if external_data == "keep":
+        for source, location in _referenced_files(model):
+            if not _same_file(folder / location, source):
+                _link_or_copy(source, tmp_model.parent / location)
+
+
+def _referenced_files(model: ir.Model) -> set[tuple[Path, str]]:
+    found = set()
+    for graph in _all_graphs(model):
+        if isinstance(graph, ir.Function):
+            continue
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                found.add((Path(tensor.base_dir) / tensor.location, str(tensor.location)))
+    return found
+
+
+def _link_or_copy(source: Path, destination: Path) -> None:
+    """A hard link costs nothing and cannot change the input (the input's files are never opened for writing)."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copyfile(source, destination)
 
 
 def _same_file(a: Path, b: Path) -> bool:

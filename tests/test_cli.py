@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import subprocess
 import sys
@@ -151,18 +152,41 @@ def test_unknown_rule_is_a_usage_error(model_path: Path, tmp_path: Path):
     assert proc.returncode == 2 and "unknown rule 'bogus'" in proc.stderr
 
 
-def test_external_data_stays_external(tmp_path: Path):
-    model = build(Spec(hidden=256))
-    src = tmp_path / "ext.onnx"
-    onnx.save(model, src, save_as_external_data=True, all_tensors_to_one_file=True, location="ext.data",
+def _external_model(folder: Path, hidden: int = 256) -> Path:
+    model = build(Spec(hidden=hidden))
+    path = folder / "ext.onnx"
+    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="ext.data",
               size_threshold=0)
-    out = tmp_path / "out.onnx"
-    proc = lnfuse(str(src), "-o", str(out))
+    return path
+
+
+def _external_locations(path: Path) -> set[str]:
+    proto = onnx.load(path, load_external_data=False)
+    return {e.value for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+            for e in t.external_data if e.key == "location"}
+
+
+def test_external_data_kept_in_the_same_layout(tmp_path: Path):
+    src = _external_model(tmp_path)
+    before = _digest(tmp_path / "ext.data")
+    out_dir = tmp_path / "elsewhere"
+    out_dir.mkdir()
+    proc = lnfuse(str(src), "-o", str(out_dir / "out.onnx"))
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "out.onnx.data").exists()
-    proto = onnx.load(out, load_external_data=False)
-    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
-    assert proto.ir_version == model.ir_version
+    assert _external_locations(out_dir / "out.onnx") <= {"ext.data"}
+    assert (out_dir / "ext.data").exists() and _digest(tmp_path / "ext.data") == before
+    proto = onnx.load(out_dir / "out.onnx", load_external_data=False)
+    assert proto.ir_version == build(Spec()).ir_version
+
+
+def test_external_data_in_a_single_new_file(tmp_path: Path):
+    src = _external_model(tmp_path)
+    out = tmp_path / "out.onnx"
+    proc = lnfuse(str(src), "-o", str(out), "--external-data", "single")
+    assert proc.returncode == 0, proc.stderr
+    assert _external_locations(out) == {"out.onnx.data"}
+    fused = onnx.load(out)
+    assert [n.op_type for n in fused.graph.node] == ["LayerNormalization"]
 
 
 def test_nothing_but_the_output_is_written(tmp_path: Path):
@@ -180,3 +204,54 @@ def test_decompose_command(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     ops = {n.op_type for n in onnx.load(plain).graph.node}
     assert "ReduceMean" in ops and not ops & {"LayerNormalization", "SkipLayerNormalization"}
+
+
+def _split_external(model: onnx.ModelProto, folder: Path, weights: set[str]) -> Path:
+    """Save with the named initializers in weights.data and every other initializer in params.data."""
+    from onnx.external_data_helper import set_external_data
+
+    files = {"weights.data": bytearray(), "params.data": bytearray()}
+    for tensor in model.graph.initializer:
+        location = "weights.data" if tensor.name in weights else "params.data"
+        raw = onnx.numpy_helper.to_array(tensor).tobytes()
+        offset = len(files[location])
+        files[location] += raw
+        for field in ("float_data", "int64_data", "int32_data", "double_data"):
+            tensor.ClearField(field)
+        tensor.raw_data = raw
+        set_external_data(tensor, location, offset, len(raw))
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+    for name, data in files.items():
+        (folder / name).write_bytes(bytes(data))
+    path = folder / "split.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_weights_no_rule_needs_are_never_read(tmp_path: Path):
+    """A MatMul weight lives in weights.data: fusing the norm after it must not read that file (its access time
+    stays put; ext4 with relatime updates it on a read once it is older than the modification time)."""
+    import numpy as np
+
+    norm = build(Spec(hidden=64, opset=17))
+    graph = norm.graph
+    w = onnx.numpy_helper.from_array(np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32), "W")
+    graph.initializer.append(w)
+    matmul = onnx.helper.make_node("MatMul", ["X_in", "W"], ["X"])
+    graph.node.insert(0, matmul)
+    graph.input[0].name = "X_in"
+    path = _split_external(norm, tmp_path, {"W"})
+    weights = tmp_path / "weights.data"
+    stat = weights.stat()
+    os.utime(weights, (stat.st_mtime - 1000, stat.st_mtime))
+    atime = weights.stat().st_atime
+    for out in (tmp_path / "same_dir.onnx", tmp_path / "other" / "out.onnx"):
+        out.parent.mkdir(exist_ok=True)
+        proc = lnfuse(str(path), "-o", str(out))
+        assert proc.returncode == 0, proc.stderr
+        assert weights.stat().st_atime == atime, "the MatMul weights were read"
+        assert "LayerNormalization" in {n.op_type for n in onnx.load(out, load_external_data=False).graph.node}
+    # the measurement itself works: writing a single new data file has to read the weights
+    proc = lnfuse(str(path), "-o", str(tmp_path / "copy.onnx"), "--external-data", "single")
+    assert proc.returncode == 0 and weights.stat().st_atime != atime
