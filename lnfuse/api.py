@@ -40,7 +40,7 @@ class FuseResult:
 
     def save(self, path: str | os.PathLike, *, in_place: bool = False, external_data: str = "keep") -> None:
         """Write atomically. External weights stay external: ``"keep"`` references the input's data files
-        (hard-linked beside the output if it goes to another folder), ``"single"`` writes ``<path>.data``."""
+        (copied unchanged beside the output if it goes to another folder), ``"single"`` writes ``<path>.data``."""
         if external_data not in io.EXTERNAL_LAYOUTS:
             raise UsageError(f"unknown external data layout '{external_data}'; use {' or '.join(io.EXTERNAL_LAYOUTS)}")
         io.save(self.ir_model, path, external_data=external_data if self.has_external_data else None,

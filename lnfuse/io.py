@@ -180,8 +180,8 @@ def _all_graphs(model: ir.Model):
         yield function
 
 
-#: how external weights are written: "keep" references the input's data files (linked or copied beside the
-#: output when it goes to another folder, never rewritten); "single" writes one new ``<output>.data`` file
+#: how external weights are written: "keep" references the input's data files (copied unchanged beside the output
+#: when it goes to another folder); "single" writes one new ``<output>.data`` file
 EXTERNAL_LAYOUTS = ("keep", "single")
 
 
@@ -227,9 +227,11 @@ def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: 
         return
     tmp_model.write_bytes(proto.SerializeToString())
     if external_data == "keep":
+        # a hard link would be free, but onnx's checker then rejects both models ("potential hardlink attack")
         for source, location in _referenced_files(model):
             if not _same_file(folder / location, source):
-                _link_or_copy(source, tmp_model.parent / location)
+                (tmp_model.parent / location).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, tmp_model.parent / location)
 
 
 def _referenced_files(model: ir.Model) -> set[tuple[Path, str]]:
@@ -242,15 +244,6 @@ def _referenced_files(model: ir.Model) -> set[tuple[Path, str]]:
             if isinstance(tensor, ir.ExternalTensor):
                 found.add((Path(tensor.base_dir) / tensor.location, str(tensor.location)))
     return found
-
-
-def _link_or_copy(source: Path, destination: Path) -> None:
-    """A hard link costs nothing and cannot change the input (the input's files are never opened for writing)."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copyfile(source, destination)
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -174,7 +174,7 @@ def test_external_data_kept_in_the_same_layout(tmp_path: Path):
     proc = lnfuse(str(src), "-o", str(out_dir / "out.onnx"))
     assert proc.returncode == 0, proc.stderr
     assert _external_locations(out_dir / "out.onnx") <= {"ext.data"}
-    assert (out_dir / "ext.data").exists() and _digest(tmp_path / "ext.data") == before
+    assert _digest(out_dir / "ext.data") == _digest(tmp_path / "ext.data") == before
     proto = onnx.load(out_dir / "out.onnx", load_external_data=False)
     assert proto.ir_version == build(Spec()).ir_version
 
@@ -246,12 +246,12 @@ def test_weights_no_rule_needs_are_never_read(tmp_path: Path):
     stat = weights.stat()
     os.utime(weights, (stat.st_mtime - 1000, stat.st_mtime))
     atime = weights.stat().st_atime
-    for out in (tmp_path / "same_dir.onnx", tmp_path / "other" / "out.onnx"):
-        out.parent.mkdir(exist_ok=True)
-        proc = lnfuse(str(path), "-o", str(out))
-        assert proc.returncode == 0, proc.stderr
-        assert weights.stat().st_atime == atime, "the MatMul weights were read"
-        assert "LayerNormalization" in {n.op_type for n in onnx.load(out, load_external_data=False).graph.node}
+    out = tmp_path / "fused.onnx"
+    proc = lnfuse(str(path), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert weights.stat().st_atime == atime, "the MatMul weights were read"
+    assert "LayerNormalization" in {n.op_type for n in onnx.load(out, load_external_data=False).graph.node}
+    onnx.checker.check_model(str(out))
     # the measurement itself works: writing a single new data file has to read the weights
     proc = lnfuse(str(path), "-o", str(tmp_path / "copy.onnx"), "--external-data", "single")
     assert proc.returncode == 0 and weights.stat().st_atime != atime
