@@ -255,3 +255,68 @@ def test_weights_no_rule_needs_are_never_read(tmp_path: Path):
     # the measurement itself works: writing a single new data file has to read the weights
     proc = lnfuse(str(path), "-o", str(tmp_path / "copy.onnx"), "--external-data", "single")
     assert proc.returncode == 0 and weights.stat().st_atime != atime
+
+
+def test_opset_newer_than_supported(tmp_path: Path):
+    model = build(Spec())
+    model.opset_import[0].version = onnx.defs.onnx_opset_version() + 1
+    path = tmp_path / "new.onnx"
+    path.write_bytes(model.SerializeToString())
+    proc = lnfuse(str(path), "-o", str(tmp_path / "o.onnx"))
+    assert proc.returncode == 2 and "opset" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flaw, words", [("duplicate", "fails the ONNX checker"), ("cycle", "fails the ONNX checker")])
+def test_duplicate_names_and_cycles_are_refused(tmp_path: Path, flaw: str, words: str):
+    model = build(Spec())
+    nodes = model.graph.node
+    if flaw == "duplicate":
+        nodes[2].output[0] = nodes[1].output[0]  # two nodes write the same value
+    else:
+        nodes[0].input[0] = nodes[3].output[0]  # the first node reads a later one: a cycle
+    path = tmp_path / f"{flaw}.onnx"
+    path.write_bytes(model.SerializeToString())
+    proc = lnfuse(str(path), "-o", str(tmp_path / "o.onnx"))
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_output_on_a_filesystem_that_refuses_writes(model_path: Path):
+    # /sys refuses new files even for root, so this runs the real failure path of the write
+    proc = lnfuse(str(model_path), "-o", "/sys/lnfuse-test-output.onnx")
+    assert proc.returncode == 2 and "lnfuse: error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_during_the_write_leaves_nothing(tmp_path: Path):
+    """SIGINT while a 1 GB data file is being written: exit 130, no output, no temporary files."""
+    import signal
+    import time
+
+    import numpy as np
+    from onnx.external_data_helper import set_external_data
+
+    model = build(Spec(hidden=64))
+    big = onnx.TensorProto(name="big", data_type=onnx.TensorProto.FLOAT, dims=[1 << 28], raw_data=b"\0")
+    set_external_data(big, "big.data", 0, 1 << 30)
+    big.ClearField("raw_data")
+    big.data_location = onnx.TensorProto.EXTERNAL
+    model.graph.initializer.append(big)
+    model.graph.node.append(onnx.helper.make_node("Size", ["big"], ["n"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("n", onnx.TensorProto.INT64, []))
+    with open(tmp_path / "big.data", "wb") as f:
+        f.truncate(1 << 30)
+    src = tmp_path / "big.onnx"
+    src.write_bytes(model.SerializeToString())
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "lnfuse.cli", str(src), "-o", str(out_dir / "o.onnx"),
+                             "--external-data", "single", "-q"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not list(out_dir.glob(".*lnfuse-tmp")):
+        time.sleep(0.005)
+    assert proc.poll() is None, "the write finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert list(out_dir.iterdir()) == [], "no output and no temporary files"
+    assert (tmp_path / "big.data").stat().st_size == 1 << 30, "the input data is untouched"
