@@ -37,7 +37,7 @@ LAYER_VARIANTS = {
     "symbolic_dims": Spec(symbolic=True),
     "fp16": Spec(dtype="float16"),
     "fp16_fp32_statistics": Spec(dtype="float16", cast_stats=True),
-    "float64": Spec(dtype="float64"),
+    "float64": Spec(dtype="float64", eps=2.0 ** -17),
     "large_eps": Spec(eps=0.1),
 }
 
@@ -216,3 +216,9 @@ def test_only_and_skip_select_rules():
     assert not lnfuse.fuse(build(spec), skip=["rms_norm"]).report.fused
     with pytest.raises(lnfuse.UsageError, match="unknown rule"):
         lnfuse.fuse(build(spec), only=["nope"])
+
+
+def test_float64_epsilon_that_float32_cannot_hold_is_refused():
+    result = lnfuse.fuse(build(Spec(dtype="float64", eps=1e-5)))
+    assert not result.report.fused
+    assert any(u.check == "epsilon" and "float32" in u.reason for u in result.report.unfused)
