@@ -138,11 +138,15 @@ def epsilon(m: Match, name: str = "eps") -> float:
     eps = scalar(m, name, "epsilon")
     if not eps > 0:
         raise Refusal("epsilon", f"epsilon is {eps:g}; the fused op needs a positive epsilon")
-    if float(np.float32(eps)) != eps and np.asarray(static_value(m.value(name))).dtype == np.float64:
-        # the ops' epsilon attribute is a float32: a double norm would change beyond double precision
+    return eps
+
+
+def check_epsilon_fits(eps: float, dtype: ir.DataType) -> None:
+    """The ops' epsilon attribute is a float32: for a float64 norm, rounding it would change the result beyond
+    double precision (fp16/fp32 norms never see the difference)."""
+    if dtype == ir.DataType.DOUBLE and float(np.float32(eps)) != eps:
         raise Refusal("epsilon", f"epsilon {eps!r} of a float64 norm cannot be written exactly in the fused op's "
                       "float32 epsilon attribute")
-    return eps
 
 
 def readers_outside(value: ir.Value, region: Iterable[ir.Node]) -> list[ir.Node]:

@@ -14,7 +14,7 @@ from onnxscript import opset18 as op
 from lnfuse.constants import static_value
 from lnfuse.pattern import Either, Match, Op, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
-from ._common import (FLOATS, check_exponent, epsilon, kept_dims, mean_over, node_name, param_as, read_outside,
+from ._common import (FLOATS, check_epsilon_fits, check_exponent, epsilon, kept_dims, mean_over, node_name, param_as, read_outside,
                            rank_of, readers_outside, reduced_axes, square, trailing_axes)
 from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish, stash_type,
                          inverse_std, inverse_std_readers, normalize, ones_scale, params)
@@ -93,6 +93,7 @@ class LayerNorm(Rule):
 
     def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float) -> Replacement:
         op_type, ort_only = _choose_op(ctx, b.dtype)
+        check_epsilon_fits(eps, b.dtype)
         region = list(b.region)
         x, y = b.x, b.y
         if m.node("unflatten") is not None:

@@ -12,7 +12,7 @@ from onnxscript import opset18 as op
 
 from lnfuse.pattern import Match, Op, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
-from ._common import FLOATS, check_exponent, epsilon, mean_over, node_name, reduced_axes, square, trailing_axes
+from ._common import FLOATS, check_epsilon_fits, check_exponent, epsilon, mean_over, node_name, reduced_axes, square, trailing_axes
 from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish, stash_type,
                          inverse_std_readers, normalize, ones_scale, params)
 
@@ -57,6 +57,7 @@ class RmsNorm(Rule):
 
     def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float) -> Replacement:
         op_type, ort_only = _choose_op(ctx, b.dtype)
+        check_epsilon_fits(eps, b.dtype)
         region = list(b.region)
         gamma, _ = params(m, ctx, b, k)
         exposed_inv, absorbed = inverse_std_readers(m, region)
