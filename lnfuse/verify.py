@@ -238,7 +238,7 @@ def _run(regions: list[_Region], opsets: dict[str, int], ir_version: int) -> lis
     outcomes, index = [], 0
     for region in regions:
         worst, ok, detail = 0.0, True, ""
-        for k, (old, _) in enumerate(region.pairs):
+        for old, _ in region.pairs:
             expected, actual = results[False][index], results[True][index]
             index += 1
             atol, rtol = TOLERANCE.get(old.dtype, (1e-4, 1e-3))

@@ -8,6 +8,7 @@ precision, and which intermediates the fused op can still expose.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -112,6 +113,17 @@ def boundaries(m: Match) -> list[Boundary]:
         raise Refusal("dtype", f"input dtype {dtype_of(x_inner)} and output dtype {dtype_of(y_outer)} cannot be "
                       f"carried by one fused op")
     return found
+
+
+def first_placement(m: Match, write: Callable[[Boundary], Replacement]) -> Replacement:
+    """The replacement for the best boundary that passes every check; the first refusal if none does."""
+    refusal = None
+    for boundary in boundaries(m):
+        try:
+            return write(boundary)
+        except Refusal as r:
+            refusal = refusal or r
+    raise refusal
 
 
 def _normalized_cast_ok(cast: ir.Node | None, dtype: ir.DataType) -> bool:

@@ -16,7 +16,7 @@ from lnfuse.pattern import Either, Match, Op, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, check_epsilon_fits, check_exponent, epsilon, kept_dims, mean_over, node_name, param_as, read_outside,
                            rank_of, readers_outside, reduced_axes, square, trailing_axes)
-from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish, stash_type,
+from ._norm import (Boundary, affine, first_placement, check_inner_casts, check_inverse_sqrt, expose, finish, stash_type,
                          inverse_std, inverse_std_readers, normalize, ones_scale, params)
 
 
@@ -83,13 +83,7 @@ class LayerNorm(Rule):
             check_exponent(m, name, 2.0, "exponent")
         check_inverse_sqrt(m)
         check_inner_casts(m, ("sq_cast", "xsq_cast", "msq_cast", "d_cast"))
-        refusal = None
-        for b in boundaries(m):
-            try:
-                return self._write(m, ctx, b, k, eps)
-            except Refusal as r:
-                refusal = refusal or r
-        raise refusal
+        return first_placement(m, lambda b: self._write(m, ctx, b, k, eps))
 
     def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float) -> Replacement:
         op_type, ort_only = _choose_op(ctx, b.dtype)

@@ -13,7 +13,7 @@ from onnxscript import opset18 as op
 from lnfuse.pattern import Match, Op, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import FLOATS, check_epsilon_fits, check_exponent, epsilon, mean_over, node_name, reduced_axes, square, trailing_axes
-from ._norm import (Boundary, affine, boundaries, check_inner_casts, check_inverse_sqrt, expose, finish, stash_type,
+from ._norm import (Boundary, affine, first_placement, check_inner_casts, check_inverse_sqrt, expose, finish, stash_type,
                          inverse_std_readers, normalize, ones_scale, params)
 
 
@@ -47,13 +47,7 @@ class RmsNorm(Rule):
         check_inner_casts(m, ("sq_cast", "d_cast"))
         if m.node("add_beta") is not None:
             raise Refusal("bias", "RMS normalization has no bias input; the Add stays outside")
-        refusal = None
-        for b in boundaries(m):
-            try:
-                return self._write(m, ctx, b, k, eps)
-            except Refusal as r:
-                refusal = refusal or r
-        raise refusal
+        return first_placement(m, lambda b: self._write(m, ctx, b, k, eps))
 
     def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float) -> Replacement:
         op_type, ort_only = _choose_op(ctx, b.dtype)

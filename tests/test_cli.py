@@ -292,7 +292,6 @@ def test_ctrl_c_during_the_write_leaves_nothing(tmp_path: Path):
     import signal
     import time
 
-    import numpy as np
     from onnx.external_data_helper import set_external_data
 
     model = build(Spec(hidden=64))

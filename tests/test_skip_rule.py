@@ -8,7 +8,6 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
-from onnx import TensorProto
 
 import lnfuse
 from normgraphs import feeds_for, op_types, run
