@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import onnx
@@ -58,12 +58,12 @@ def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None =
     return tuple(r for r in rules if r.name not in set(skip or []))
 
 
-def fuse(model: str | os.PathLike | onnx.ModelProto, *, target: str = "ort", verify: bool = True,
+def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str = "ort", verify: bool = True,
          only: Iterable[str] | None = None, skip: Iterable[str] | None = None, upgrade_opset: bool = False,
          verify_model: bool = False, inputs: dict[str, np.ndarray] | None = None,
-         quantize_embeddings: str | None = None) -> FuseResult:
+         quantize_embeddings: str | None = None, progress: Callable[[str], None] | None = None) -> FuseResult:
     """Fuse normalization subgraphs into single ops; every rewrite is verified in ONNX Runtime unless
-    ``verify=False``. The input (file or proto) is never modified.
+    ``verify=False``. The input (a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``) is never modified.
 
     Example, right after exporting::
 
@@ -83,7 +83,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto, *, target: str = "ort", ver
     if quantize_embeddings is not None and (quantize_embeddings not in SCHEMES or target != "ort"):
         raise UsageError(f"--quantize-embeddings takes {' or '.join(SCHEMES)} and needs --target ort")
     start = time.perf_counter()
-    options = Options(target=target, verify=verify, rules=select_rules(only, skip))
+    options = Options(target=target, verify=verify, rules=select_rules(only, skip), progress=progress)
     loaded = io.load(model)
     source = str(loaded.path) if loaded.path is not None else "<model>"
     original = ir.serde.serialize_model(loaded.model) if (verify_model or upgrade_opset) else None
@@ -97,6 +97,8 @@ def fuse(model: str | os.PathLike | onnx.ModelProto, *, target: str = "ort", ver
                                             base_dir=loaded.path.parent if loaded.path else None)
     io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
     report.seconds = time.perf_counter() - start
+    if progress is not None:
+        progress("")
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path)
 
 

@@ -3,6 +3,7 @@
     lnfuse model.onnx -o fused.onnx [options]     fuse (the default command)
     lnfuse explain model.onnx                     every candidate, fused or not, and why
     lnfuse decompose fused.onnx -o plain.onnx     fused norm ops back into primitive ONNX ops
+    lnfuse check model.onnx                       exit 1 if a norm-like candidate is left unfused (for CI gates)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from lnfuse.api import TARGETS, fuse
 from lnfuse.decompose import decompose
 from lnfuse.errors import LnfuseError, UsageError
 
-COMMANDS = ("fuse", "explain", "decompose")
+COMMANDS = ("fuse", "explain", "decompose", "check")
 
 
 def _rules(text: str | None) -> list[str] | None:
@@ -88,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
+def _progress(message: str) -> None:
+    """One rewritten status line on stderr (terminals only)."""
+    sys.stderr.write(f"\r\033[K{message}" if message else "\r\033[K")
+    sys.stderr.flush()
+
+
 def _run(command: str, args: argparse.Namespace) -> int:
     if command == "decompose":
         result = decompose(args.model, verify_rewrites=not args.no_verify)
@@ -107,7 +114,9 @@ def _run(command: str, args: argparse.Namespace) -> int:
         except (OSError, ValueError) as error:
             raise UsageError(f"{args.inputs}: cannot read inputs ({error}); give an .npz of input name -> array")\
                 from None
+    quiet = getattr(args, "quiet", False) or getattr(args, "json", False)
     result = fuse(args.model, target=args.target, verify=not args.no_verify, only=_rules(args.only),
+                  progress=None if quiet or not sys.stderr.isatty() else _progress,
                   skip=_rules(args.skip), upgrade_opset=args.upgrade_opset,
                   verify_model=getattr(args, "verify", None) == "model", inputs=inputs,
                   quantize_embeddings=getattr(args, "quantize_embeddings", None))
@@ -115,6 +124,15 @@ def _run(command: str, args: argparse.Namespace) -> int:
     if command == "explain":
         print(report.to_json() if args.json else report.explain())
         return 0
+    if command == "check":
+        if args.json:
+            print(report.to_json())
+        for u in report.unfused:
+            print(f"unfused: {u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
+        if not args.json:
+            print(f"lnfuse check: {len(report.unfused)} candidate(s) left unfused, "
+                  f"{sum(report.fused_counts().values())} fusable")
+        return 1 if report.unfused else 0
     if report.model_check is not None and not report.model_check["ok"]:
         print(f"lnfuse: error: the fused model differs from the original ({report.model_check['summary']}); "
               "nothing was written, please report this model", file=sys.stderr)
@@ -125,7 +143,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
     if args.json:
         print(report.to_json())
     elif not args.quiet:
-        print(report.summary(verbose=args.verbose))
+        print(report.summary(verbose=args.verbose, colour=sys.stdout.isatty()))
         print(f"  wrote {args.output}")
     return 0
 

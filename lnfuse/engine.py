@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import onnx_ir as ir
 
@@ -28,6 +28,8 @@ class Options:
     target: str = "ort"
     verify: bool = True
     rules: tuple[Rule, ...] = ()
+    #: called with a short status line while the pass runs (the CLI shows it on a terminal)
+    progress: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -65,6 +67,8 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
         for rule in options.rules:
             if options.target not in rule.targets:
                 continue
+            if options.progress is not None:
+                options.progress(f"lnfuse: {scope.path}: {rule.name}")
             found = find(rule, ctx)
             kept = _verified(found.accepted, model, scope, options, report, found)
             for candidate in kept:

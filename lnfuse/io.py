@@ -129,6 +129,10 @@ def _external_tensors(proto: onnx.ModelProto):
     return [t for t in _get_all_tensors(proto) if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
+def _external_ir_tensors(model: ir.Model):
+    return (v.const_value for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor))
+
+
 def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
     names.update(v.name for v in graph.value_info)
     for node in graph.node:
@@ -138,8 +142,13 @@ def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
     return names
 
 
-def load(source: str | os.PathLike | onnx.ModelProto) -> Loaded:
+def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     """Read, validate and shape-infer a model; external weights stay on disk."""
+    base_dir = None
+    if isinstance(source, ir.Model):
+        # work on a copy: the caller's model is never modified; external tensors keep pointing at their files
+        base_dir = next((Path(t.base_dir) for t in _external_ir_tensors(source)), None)
+        source = ir.serde.serialize_model(source)
     if isinstance(source, onnx.ModelProto):
         proto, path, where = source, None, "model"
         proto = onnx.ModelProto.FromString(proto.SerializeToString())
@@ -152,8 +161,8 @@ def load(source: str | os.PathLike | onnx.ModelProto) -> Loaded:
     inferred, error = infer_shapes(proto)
     model = ir.serde.deserialize_model(inferred)
     infer_function_types(model)
-    if path is not None:
-        ir.external_data.set_base_dir(model.graph, path.parent)
+    if path is not None or base_dir is not None:
+        ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
     return Loaded(model, path, declared, has_external, error)
 
 

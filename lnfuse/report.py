@@ -63,7 +63,19 @@ class Report:
         data["worst_error"] = self.worst_errors()
         return json.dumps(data, indent=2, default=_plain, allow_nan=False)
 
-    def summary(self, verbose: bool = False) -> str:
+    def summary(self, verbose: bool = False, colour: bool = False) -> str:
+        text = self._summary(verbose)
+        if not colour:
+            return text
+        # on a terminal only: fused in green, left unfused in yellow, the header in bold
+        paint = {"  fused:": "\033[32m", "  left unfused:": "\033[33m", "lnfuse:": "\033[1m"}
+        lines = []
+        for line in text.splitlines():
+            start = next((code for key, code in paint.items() if line.startswith(key)), None)
+            lines.append(f"{start}{line}\033[0m" if start else line)
+        return "\n".join(lines)
+
+    def _summary(self, verbose: bool) -> str:
         nodes_before, nodes_after = sum(self.ops_before.values()), sum(self.ops_after.values())
         lines = [f"lnfuse: {self.source} (target {self.target}, verification {'on' if self.verified else 'off'})",
                  f"  nodes: {nodes_before} -> {nodes_after}"]

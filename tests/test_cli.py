@@ -319,3 +319,13 @@ def test_ctrl_c_during_the_write_leaves_nothing(tmp_path: Path):
     assert proc.returncode == 130 and "interrupted" in err, err
     assert list(out_dir.iterdir()) == [], "no output and no temporary files"
     assert (tmp_path / "big.data").stat().st_size == 1 << 30, "the input data is untouched"
+
+
+def test_check_command_gates_ci(tmp_path: Path):
+    fusable = SAMPLES / "llama_tiny_dynamo_op18.onnx"
+    assert lnfuse("check", str(fusable)).returncode == 0
+    refused = lnfuse("check", str(fusable), "--target", "onnx")
+    assert refused.returncode == 1 and "needs opset 23" in refused.stdout
+    path = tmp_path / "near.onnx"
+    onnx.save(build(Spec(mutation="eps_outside")), path)
+    assert lnfuse("check", str(path)).returncode == 1

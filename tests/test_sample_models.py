@@ -96,3 +96,13 @@ def test_roberta_positions_are_passed_not_dropped():
     feeds["input_ids"] = np.array([[0, 5, 6, 7, 2, 1, 1], [0, 9, 8, 2, 1, 1, 1]], dtype=np.int64)  # padded
     feeds["attention_mask"] = (feeds["input_ids"] != 1).astype(np.int64)
     assert compare_models(original, fused, feeds)["ok"]
+
+
+def test_api_takes_an_onnx_ir_model_and_leaves_it_alone():
+    import onnx_ir as ir
+
+    model = ir.load(SAMPLES / "llama_tiny_dynamo_op18.onnx")
+    before = ir.serde.serialize_model(model).SerializeToString()
+    result = lnfuse.fuse(model)
+    assert "SkipSimplifiedLayerNormalization" in [n.op_type for n in result.model.graph.node]
+    assert ir.serde.serialize_model(model).SerializeToString() == before
