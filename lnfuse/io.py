@@ -14,9 +14,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
+
+from onnx.external_data_helper import load_external_data_for_tensor
 
 from lnfuse.errors import InputError, OutputError
 from lnfuse.shapes import infer_function_types, infer_shapes
@@ -53,7 +56,9 @@ def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
     return proto
 
 
-def validate(proto: onnx.ModelProto, where: str, path: Path | None = None) -> None:
+def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None) -> onnx.ModelProto:
+    """Versions, external files, then onnx's checker on the model's skeleton (the weights' bytes are not what
+    makes a graph valid, and checking them would cost a full copy). Returns the skeleton."""
     if proto.ir_version > MAX_IR_VERSION:
         raise InputError(f"{where}: IR version {proto.ir_version} is newer than ONNX Runtime reads (<= "
                          f"{MAX_IR_VERSION}); re-export with an older onnx or set model.ir_version")
@@ -64,18 +69,20 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None = None) -> No
                              "upgrade onnx or re-export at a lower opset")
     if path is not None:
         _check_external_files(proto, path)
+    checked = _skeleton(proto, base_dir)
     try:
-        onnx.checker.check_model(str(path) if path is not None else proto)
+        onnx.checker.check_model(checked)
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as error:
-        if not _ort_only_ops(proto):
+        if not _ort_only_ops(checked):
             raise InputError(f"{where}: fails the ONNX checker ({_first_line(error)}); fix or re-export the model")\
                 from None
         # ONNX Runtime's default-domain ops (a model fused with --target ort): check everything else
         try:
-            onnx.checker.check_model(_without_ort_only_ops(proto))
+            onnx.checker.check_model(_without_ort_only_ops(checked))
         except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as again:
             raise InputError(f"{where}: fails the ONNX checker ({_first_line(again)}); fix or re-export the model")\
                 from None
+    return checked
 
 
 def _first_line(error: Exception) -> str:
@@ -129,6 +136,44 @@ def _external_tensors(proto: onnx.ModelProto):
     return [t for t in _get_all_tensors(proto) if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
+#: initializers with more elements than this are weights: their values never decide a shape
+_WEIGHT_ELEMENTS = 1024
+
+
+def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
+    """The model without its weights: each large initializer becomes a typed graph input. Shape inference and the
+    structural checks run on this in milliseconds instead of copying and serializing gigabytes."""
+    skeleton = onnx.ModelProto(ir_version=proto.ir_version)
+    skeleton.opset_import.extend(proto.opset_import)
+    skeleton.functions.extend(proto.functions)
+    graph = proto.graph
+    kept = []
+    inputs = {v.name for v in graph.input}
+    weights = []
+    for tensor in graph.initializer:
+        if int(np.prod(tensor.dims)) > _WEIGHT_ELEMENTS:
+            if tensor.name not in inputs:
+                weights.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+        elif tensor.data_location == onnx.TensorProto.EXTERNAL and base_dir is not None:
+            # a small constant (a Reshape target, epsilon) stored outside: shape inference needs its value
+            small = onnx.TensorProto()
+            small.CopyFrom(tensor)
+            load_external_data_for_tensor(small, str(base_dir))
+            kept.append(small)
+        elif tensor.data_location != onnx.TensorProto.EXTERNAL:
+            kept.append(tensor)
+        else:
+            weights.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    skeleton.graph.CopyFrom(onnx.GraphProto(name=graph.name, doc_string=graph.doc_string))
+    skeleton.graph.node.extend(graph.node)
+    skeleton.graph.input.extend(list(graph.input) + weights)
+    skeleton.graph.output.extend(graph.output)
+    skeleton.graph.value_info.extend(graph.value_info)
+    skeleton.graph.initializer.extend(kept)
+    skeleton.graph.sparse_initializer.extend(graph.sparse_initializer)
+    return skeleton
+
+
 def _external_ir_tensors(model: ir.Model):
     return (v.const_value for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor))
 
@@ -155,11 +200,18 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     else:
         path = Path(source)
         proto, where = read_proto(path), str(path)
-    validate(proto, where, path)
+    skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
     has_external = bool(_external_tensors(proto))
-    inferred, error = infer_shapes(proto)
-    model = ir.serde.deserialize_model(inferred)
+    inferred, error = infer_shapes(skeleton)
+    # the inferred types go back into the full model: the node list carries the subgraphs' value_info too
+    proto.graph.ClearField("value_info")
+    proto.graph.value_info.extend(inferred.graph.value_info)
+    proto.graph.ClearField("node")
+    proto.graph.node.extend(inferred.graph.node)
+    for mine, theirs in zip(proto.graph.output, inferred.graph.output):
+        mine.CopyFrom(theirs)
+    model = ir.serde.deserialize_model(proto)
     infer_function_types(model)
     if path is not None or base_dir is not None:
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
@@ -230,17 +282,23 @@ def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: 
     if external_data == "single":
         ir.save(model, tmp_model, external_data=data_name)
         return
-    proto = ir.serde.serialize_model(model)
-    if proto.ByteSize() > onnx.checker.MAXIMUM_PROTOBUF:
+    if _inline_bytes(model) > onnx.checker.MAXIMUM_PROTOBUF * 0.9:
         ir.save(model, tmp_model, external_data=data_name)
         return
-    tmp_model.write_bytes(proto.SerializeToString())
+    tmp_model.write_bytes(ir.serde.serialize_model(model).SerializeToString())
     if external_data == "keep":
         # a hard link would be free, but onnx's checker then rejects both models ("potential hardlink attack")
         for source, location in _referenced_files(model):
             if not _same_file(folder / location, source):
                 (tmp_model.parent / location).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, tmp_model.parent / location)
+
+
+def _inline_bytes(model: ir.Model) -> int:
+    """The size of the weights the saved proto would carry inline (a protobuf cannot exceed 2 GB)."""
+    return sum(v.const_value.nbytes for g in _all_graphs(model) if not isinstance(g, ir.Function)
+               for v in g.initializers.values()
+               if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor))
 
 
 def _referenced_files(model: ir.Model) -> set[tuple[Path, str]]:
