@@ -36,6 +36,7 @@ import onnxruntime as ort
 # Run as a script, so this folder is on sys.path: share the input generation and the output comparison.
 from compare import max_abs_diff, random_inputs
 from make_models import DEFAULT_OUT
+from speed import competition_note, cpu_snapshot
 
 MODELS = ("bert_base_legacy_op14.onnx", "llama_small_legacy_op14.onnx")
 LEVELS = MappingProxyType({"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.WARNING)
     everything: list[Variant] = []
     lines = []
+    cpu_start = cpu_snapshot()
     with tempfile.TemporaryDirectory(prefix="lnfuse-runtime-", dir=args.models) as tmp:
         for name in MODELS:
             path = args.models / name
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     print(f"batch {BATCH}, sequence {SEQUENCE}; {args.warmup} warm-up + {args.runs} timed runs per variant; "
           f"ORT {ort.__version__}, {ort.get_device()}, default threads")
+    print(competition_note(cpu_start))
     if args.json:
         args.json.write_text(json.dumps([{**asdict(v), "path": str(v.path)} for v in everything], indent=1))
     return 0

@@ -36,7 +36,9 @@ import gc
 import io
 import json
 import logging
+import os
 import pstats
+import resource
 import statistics
 import sys
 import tempfile
@@ -170,6 +172,30 @@ def median(samples: list[float | str]) -> float | None:
 # =========================================================================== reporting
 
 
+def cpu_snapshot() -> tuple[float, float, float] | None:
+    """(wall clock, CPU seconds used by the whole machine, CPU seconds used by this process), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # everything but idle and iowait
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.ru_utime + own.ru_stime
+
+
+def competition_note(start: tuple[float, float, float] | None) -> str:
+    """Timings are only as good as the machine was quiet: how much CPU other processes took during the run."""
+    end = cpu_snapshot()
+    if start is None or end is None:
+        return "note: could not read /proc/stat to check for competing processes"
+    wall, others = end[0] - start[0], (end[1] - start[1]) - (end[2] - start[2])
+    share = max(0.0, others) / (wall * (os.cpu_count() or 1))
+    verdict = "quiet" if share < 0.05 else "BUSY: other processes competed, the timings are inflated; rerun"
+    return f"other processes used {max(0.0, others):.0f} CPU-s of {os.cpu_count()} cores x {wall:.0f} s " \
+           f"({share:.0%}): {verdict}"
+
+
 def first_error(samples: list[float | str]) -> str | None:
     return next((s for s in samples if isinstance(s, str)), None)
 
@@ -284,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             profile(target, args.profile_tool, scratch, args.top)
             return 0
         models, notes = model_paths(args.models)
+        cpu_start = cpu_snapshot()
         warm_up(tools, scratch)
         start = time.perf_counter()
         times = run_rounds(models, tools, args.rounds, scratch, progress=not args.quiet)
@@ -294,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(target_lines(models, times, depth) + notes))
     elapsed = time.perf_counter() - start
     print(f"\n{args.rounds} rounds, {elapsed:.0f} s; ORT {ort.__version__}, onnx {onnx.__version__}")
+    print(competition_note(cpu_start))
     if args.json:
         args.json.write_text(json.dumps({f"{m}|{t}": s for (m, t), s in times.items()}, indent=1))
     return 0

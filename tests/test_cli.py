@@ -288,22 +288,22 @@ def test_output_on_a_filesystem_that_refuses_writes(model_path: Path):
 
 
 def test_ctrl_c_during_the_write_leaves_nothing(tmp_path: Path):
-    """SIGINT while a 1 GB data file is being written: exit 130, no output, no temporary files."""
+    """SIGINT while a 2 GB data file is being written: exit 130, no output, no temporary files."""
     import signal
     import time
 
     from onnx.external_data_helper import set_external_data
 
     model = build(Spec(hidden=64))
-    big = onnx.TensorProto(name="big", data_type=onnx.TensorProto.FLOAT, dims=[1 << 28], raw_data=b"\0")
-    set_external_data(big, "big.data", 0, 1 << 30)
+    big = onnx.TensorProto(name="big", data_type=onnx.TensorProto.FLOAT, dims=[1 << 29], raw_data=b"\0")
+    set_external_data(big, "big.data", 0, 1 << 31)
     big.ClearField("raw_data")
     big.data_location = onnx.TensorProto.EXTERNAL
     model.graph.initializer.append(big)
     model.graph.node.append(onnx.helper.make_node("Size", ["big"], ["n"]))
     model.graph.output.append(onnx.helper.make_tensor_value_info("n", onnx.TensorProto.INT64, []))
     with open(tmp_path / "big.data", "wb") as f:
-        f.truncate(1 << 30)
+        f.truncate(1 << 31)
     src = tmp_path / "big.onnx"
     src.write_bytes(model.SerializeToString())
     out_dir = tmp_path / "out"
@@ -318,7 +318,7 @@ def test_ctrl_c_during_the_write_leaves_nothing(tmp_path: Path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted" in err, err
     assert list(out_dir.iterdir()) == [], "no output and no temporary files"
-    assert (tmp_path / "big.data").stat().st_size == 1 << 30, "the input data is untouched"
+    assert (tmp_path / "big.data").stat().st_size == 1 << 31, "the input data is untouched"
 
 
 def test_check_command_gates_ci(tmp_path: Path):
