@@ -10,6 +10,7 @@ import contextlib
 import io
 import logging
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -21,13 +22,21 @@ def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     Shape arithmetic (the residual rule must prove two addends have the same shape), where onnx's invents a new
     ``unk__`` dim per value. onnx's inference then fills in what the symbolic pass left open.
     """
-    partial = _symbolic(proto) or proto
+    symbolic = _symbolic(proto)
     try:
-        return onnx.shape_inference.infer_shapes(partial, data_prop=True), None
+        # onnx's data propagation is only the fallback: it materializes Size/Shape values, and on a Size of a
+        # multi-GB weight it allocates until the machine runs out of memory
+        propagate = symbolic is None and not _has_huge_input(proto)
+        return onnx.shape_inference.infer_shapes(symbolic or proto, data_prop=propagate), None
     except Exception as exc:  # noqa: BLE001 - shape inference is a help, not a requirement
-        if partial is not proto:
-            return partial, None
+        if symbolic is not None:
+            return symbolic, None
         return proto, str(exc).splitlines()[0]
+
+
+def _has_huge_input(proto: onnx.ModelProto) -> bool:
+    return any(int(np.prod([d.dim_value for d in v.type.tensor_type.shape.dim] or [0])) > 1 << 24
+               for v in proto.graph.input)
 
 
 def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
