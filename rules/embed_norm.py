@@ -104,7 +104,6 @@ class EmbedNorm(Rule):
         if quantized is not None and position.kind == "arange":
             fused = ctx.node("QEmbedLayerNormalization", _qembed_inputs(ctx, word, segment, quantized),
                              {"epsilon": epsilon}, domain="com.microsoft", num_outputs=2, hint=node_name(norm))
-            fused.outputs[1].meta[ABSENT] = False
             op_type = "QEmbedLayerNormalization"
         else:
             inputs = [_int32(ctx, word.ids), _int32(ctx, segment.ids) if segment else None, word.table,
@@ -272,9 +271,8 @@ def _dequantized(values: list[ir.Value | None]) -> list[_Quantized] | None:
         q, scale, zero = node.inputs[:3]
         if dtype_of(q) not in (ir.DataType.INT8, ir.DataType.UINT8) or dtype_of(zero) != dtype_of(q):
             return None
-        if any(v.shape is None or len(v.shape) not in (0,) and list(v.shape) != [1] for v in (scale, zero)):
-            return None
-        if attr_value(node, "axis", 1) not in (0, 1) and scale.shape and len(scale.shape) > 0:
+        # per tensor: scalar (or one-element) scale and zero point
+        if any(v.shape is None or (len(v.shape) != 0 and list(v.shape) != [1]) for v in (scale, zero)):
             return None
         found.append(_Quantized(q, scale, zero))
     return found
