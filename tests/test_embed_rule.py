@@ -89,10 +89,10 @@ def _embed(model: onnx.ModelProto, expect: str = "EmbedLayerNormalization") -> t
     return nodes[0], fused
 
 
-def _bert(positions: str = "slice") -> onnx.ModelProto:
+def _bert(positions: str = "slice", vocab: int = V) -> onnx.ModelProto:
     g = _G()
     g.inputs.append(oh.make_tensor_value_info("tt", TensorProto.INT64, ["batch", "seq"]))
-    word = g.node("Gather", [g.table("word", V), "ids"], "word_emb")
+    word = g.node("Gather", [g.table("word", vocab), "ids"], "word_emb")
     pos_ids = g.arange_slice_positions() if positions == "slice" else g.roberta_positions()
     pos = g.node("Gather", [g.table("pos", P + 2), pos_ids], "pos_emb")
     seg = g.node("Gather", [g.table("seg", T), "tt"], "seg_emb")
@@ -166,9 +166,9 @@ def test_target_onnx_keeps_the_lookups():
     assert "LayerNormalization" in op_types(result.model)
 
 
-def _qdq_bert(positions: str = "slice") -> onnx.ModelProto:
+def _qdq_bert(positions: str = "slice", vocab: int = V) -> onnx.ModelProto:
     """The embedding block with uint8 per-tensor tables, gamma and beta behind DequantizeLinear."""
-    model = _bert(positions)
+    model = _bert(positions, vocab)
     graph = model.graph
     new_inits, dq_nodes = [], []
     for init in list(graph.initializer):
@@ -205,6 +205,18 @@ def test_qdq_with_explicit_positions_keeps_float_kernel_and_never_drops_position
     node, fused = _embed(_qdq_bert(positions="roberta"), expect="EmbedLayerNormalization")
     assert node.input[8], "position ids are passed, never dropped"
     assert "DequantizeLinear" in op_types(fused), "the float kernel reads the dequantized tables"
+
+
+def test_verification_stops_a_rule_that_would_drop_position_ids(monkeypatch):
+    """If the rule wrongly took RoBERTa's positions for 0..S-1, QEmbedLayerNormalization would drop them: the
+    verification in ORT (random quantized tables, as the 9,000-row table is too large to read) must refuse it."""
+    from lnfuse.rules import embed_norm
+    real = embed_norm._is_arange
+    monkeypatch.setattr(embed_norm, "_is_arange", lambda ids, depth=0: ids.name == "pos_ids" or real(ids, depth))
+    result = lnfuse.fuse(_qdq_bert(positions="roberta", vocab=9000), only=["embed_norm"])
+    assert "QEmbedLayerNormalization" not in op_types(result.model)
+    refused = [u for u in result.report.unfused if u.rule == "embed_norm"]
+    assert refused and all(u.check == "verify" for u in refused), result.report.unfused
 
 
 @pytest.mark.parametrize("scheme", ["uint8", "int8"])
