@@ -60,6 +60,7 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
     for scope in scopes(loaded.model):
         ctx = GraphContext(scope.graph, scope.opset, "onnx", scope.path, names)
         done = []
+        position: dict[ir.Node, float] = {node: i for i, node in enumerate(scope.graph)}
         for node in list(scope.graph):
             inverse = _INVERSES.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
             if inverse is None:
@@ -70,14 +71,14 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
                 report.unfused.append(Unfused("decompose", scope.path, f"{node.op_type} '{node.name}'",
                                               refusal.check, refusal.detail, [node.name]))
         outcomes = verify([rep for _, rep in done], {**loaded.model.opset_imports, "": scope.opset},
-                          loaded.model.ir_version) if verify_rewrites else [None] * len(done)
+                          loaded.model.ir_version, position) if verify_rewrites else [None] * len(done)
         kept = []
         for (node, rep), outcome in zip(done, outcomes):
             if outcome is not None and not outcome.ok:
                 report.unfused.append(Unfused("decompose", scope.path, f"{node.op_type} '{node.name}'", "verify",
                                               outcome.detail, [node.name]))
                 continue
-            apply(scope.graph, rep)
+            apply(scope.graph, rep, position)
             kept.append(rep)
             report.fused.append(Fused("decompose", node.op_type, scope.path, [node.name], rep.attributes,
                                       None if outcome is None else outcome.max_error))

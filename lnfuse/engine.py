@@ -53,6 +53,8 @@ class _Pass:
 
     accepted: list[_Candidate] = field(default_factory=list)
     refused: dict[ir.Node, tuple[Refusal, list[ir.Node]]] = field(default_factory=dict)
+    #: graph order of the nodes when the pass began (indexing once keeps a pass linear in the graph's size)
+    position: dict[ir.Node, float] = field(default_factory=dict)
 
 
 def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
@@ -72,7 +74,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
             found = find(rule, ctx)
             kept = _verified(found.accepted, model, scope, options, report, found)
             for candidate in kept:
-                apply(scope.graph, candidate.replacement)
+                apply(scope.graph, candidate.replacement, found.position)
                 opsets_used.update(candidate.replacement.opset_imports)
             refusals.append((rule, found))
             if kept:
@@ -108,10 +110,10 @@ def _with_subgraphs(graph: ir.Graph | ir.Function, path: str, opset: int) -> Ite
 
 def find(rule: Rule, ctx: GraphContext) -> _Pass:
     """Greedy, outputs first: the first match found from the last node of a norm is its largest form."""
-    found = _Pass()
-    consumed: set[ir.Node] = set()
     nodes = list(ctx.graph)
-    position = {node: i for i, node in enumerate(nodes)}
+    position: dict[ir.Node, float] = {node: i for i, node in enumerate(nodes)}
+    found = _Pass(position=position)
+    consumed: set[ir.Node] = set()
     for node in reversed(nodes):
         if node in consumed or not node.outputs:
             continue
@@ -139,7 +141,7 @@ def _limited(matches: Iterator[Match]) -> Iterator[Match]:
 
 
 def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir.Node],
-                 found: _Pass, position: dict[ir.Node, int]) -> _Candidate | None:
+                 found: _Pass, position: dict[ir.Node, float]) -> _Candidate | None:
     for pattern in rule.patterns:
         for m in _limited(pattern.match(root, Match())):
             if consumed.intersection(m.nodes):
@@ -176,7 +178,7 @@ def check_intermediates(rep: Replacement) -> None:
                                   f"{reader.op_type} '{reader.name}', and the fused op cannot expose it")
 
 
-def check_no_cycle(rep: Replacement, position: dict[ir.Node, int]) -> None:
+def check_no_cycle(rep: Replacement, position: dict[ir.Node, float]) -> None:
     """The new nodes must not read anything computed from the region they replace (a gamma computed from the
     norm's own mean, say): the fused op would feed itself."""
     region = set(rep.region)
@@ -208,7 +210,7 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
     for c in candidates:
         for domain, version in c.replacement.opset_imports.items():
             opsets.setdefault(domain, version)
-    outcomes = verify([c.replacement for c in candidates], opsets, model.ir_version)
+    outcomes = verify([c.replacement for c in candidates], opsets, model.ir_version, found.position)
     kept = []
     for c, outcome in zip(candidates, outcomes):
         if outcome.ok:
@@ -248,8 +250,10 @@ def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Rep
                 check=refusal.check, reason=refusal.detail, nodes=[n.name for n in nodes]))
 
 
-def apply(graph: ir.Graph | ir.Function, rep: Replacement) -> None:
-    """Put the new nodes where the region's last node was, point every reader at the new values, drop the region."""
+def apply(graph: ir.Graph | ir.Function, rep: Replacement, position: dict[ir.Node, float]) -> None:
+    """Put the new nodes where the region's last node was, point every reader at the new values, drop the region.
+    ``position`` (graph order at the start of the pass) gets the new nodes, between the region's last node and the
+    node after it."""
     host = graph.graph if isinstance(graph, ir.Function) else graph
     new_constants = []
     for node in rep.nodes:
@@ -257,7 +261,6 @@ def apply(graph: ir.Graph | ir.Function, rep: Replacement) -> None:
             if value is not None and value.producer() is None and value.const_value is not None \
                     and value.graph is None and value not in new_constants:
                 new_constants.append(value)
-    position = {n: i for i, n in enumerate(host)}
     last = max(rep.region, key=lambda n: position[n])
     constant_nodes = []
     for value in new_constants:
@@ -266,7 +269,8 @@ def apply(graph: ir.Graph | ir.Function, rep: Replacement) -> None:
                                           name=f"{value.name}/Constant"))
         else:
             host.register_initializer(value)
-    host.insert_after(last, constant_nodes + rep.nodes)
+    inserted = constant_nodes + rep.nodes
+    host.insert_after(last, inserted)
     for node in rep.nodes:
         for out in node.outputs:
             if out.meta.get(ABSENT):
@@ -277,6 +281,7 @@ def apply(graph: ir.Graph | ir.Function, rep: Replacement) -> None:
             if new in named_outputs:
                 identity = ir.node("Identity", [new], name=f"{old.name}/Identity")
                 host.insert_after(rep.nodes[-1], [identity])
+                inserted.append(identity)
                 new = identity.outputs[0]
             name = old.name
             old.name = f"{name}__replaced"
@@ -284,6 +289,8 @@ def apply(graph: ir.Graph | ir.Function, rep: Replacement) -> None:
             named_outputs.add(new)
         old.replace_all_uses_with(new, replace_graph_outputs=True)
     host.remove(rep.region, safe=True)
+    for k, node in enumerate(inserted, start=1):
+        position[node] = position[last] + k / (len(inserted) + 1)
     if any(position.get(reader, -1) < position[last] for new in rep.outputs.values()
            for reader, _ in new.uses() if reader in position):
         host.sort()

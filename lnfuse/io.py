@@ -8,6 +8,7 @@ names of the value_info entries the input had are remembered and the others are 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import shutil
 import tempfile
@@ -47,12 +48,27 @@ def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
     if p.stat().st_size == 0:
         raise InputError(f"{p}: the file is empty; re-export the model")
     try:
-        proto = onnx.load(str(p), load_external_data=False)
+        proto = _parse(p)
     except (DecodeError, RuntimeError, ValueError, OSError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise InputError(f"{p}: not a readable ONNX model (truncated or not ONNX: {first}); re-export it") from None
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise InputError(f"{p}: not an ONNX model (no graph or IR version); re-export it")
+    return proto
+
+
+#: onnx.load's text formats, chosen by file extension like onnx does
+_TEXT_SUFFIXES = (".json", ".onnxtxt", ".textproto", ".prototxt", ".pbtxt")
+
+
+def _parse(path: Path) -> onnx.ModelProto:
+    """Parse straight from the page cache: reading the file into a bytes object first (as onnx.load does) costs a
+    second copy of every inline weight."""
+    if path.suffix.lower() in _TEXT_SUFFIXES:
+        return onnx.load(str(path), load_external_data=False)
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        proto = onnx.ModelProto()
+        proto.ParseFromString(memoryview(mapped))
     return proto
 
 
@@ -285,13 +301,71 @@ def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: 
     if _inline_bytes(model) > onnx.checker.MAXIMUM_PROTOBUF * 0.9:
         ir.save(model, tmp_model, external_data=data_name)
         return
-    tmp_model.write_bytes(ir.serde.serialize_model(model).SerializeToString())
+    _write_streamed(model, tmp_model)
     if external_data == "keep":
         # a hard link would be free, but onnx's checker then rejects both models ("potential hardlink attack")
         for source, location in _referenced_files(model):
             if not _same_file(folder / location, source):
                 (tmp_model.parent / location).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, tmp_model.parent / location)
+
+
+#: inline initializers at least this large are written one by one after the rest of the model
+_STREAMED_BYTES = 1 << 12
+
+
+def _write_streamed(model: ir.Model, path: Path) -> None:
+    """Write the model, then its large initializers one at a time. Protobuf merges repeated occurrences of a
+    message field, so ``ModelProto{graph: {initializer: [t]}}`` appended to the file adds ``t`` to the graph: the
+    weights are serialized from the tensors the model was read into, never copied into a second whole model."""
+    graph = model.graph
+    streamed = [v for v in graph.initializers.values() if _streamable(v)]
+    # the dict behind graph.initializers, so the values keep their initializer state while left out
+    registry = graph.initializers.data
+    every = dict(registry)
+    for value in streamed:
+        del registry[value.name]
+    try:
+        head = ir.serde.serialize_model(model).SerializeToString()
+    finally:
+        registry.clear()
+        registry.update(every)
+    with open(path, "wb") as file:
+        file.write(head)
+        for value in streamed:
+            tensor = value.const_value
+            proto = tensor.raw if isinstance(tensor, ir.serde.TensorProtoTensor) else ir.serde.serialize_tensor(tensor)
+            data = proto.SerializeToString()
+            initializer = _field_header(_GRAPH_INITIALIZER, len(data))
+            file.write(_field_header(_MODEL_GRAPH, len(initializer) + len(data)) + initializer)
+            file.write(data)
+
+
+#: where onnx_ir keeps a value's quantization annotation (written with the graph, not with the tensor)
+_QUANT_ANNOTATION = "quant_parameter_tensor_names"
+
+#: field numbers in onnx.proto: ModelProto.graph, GraphProto.initializer
+_MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
+
+
+def _field_header(number: int, length: int) -> bytes:
+    """Tag and length of a length-delimited protobuf field."""
+    out = bytearray([number << 3 | 2])
+    while True:
+        byte, length = length & 0x7F, length >> 7
+        out.append(byte | (0x80 if length else 0))
+        if not length:
+            return bytes(out)
+
+
+def _streamable(value: ir.Value) -> bool:
+    """Large inline tensors whose serialized form is exactly their stored proto (or a plain array)."""
+    tensor = value.const_value
+    if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < _STREAMED_BYTES:
+        return False
+    if tensor.metadata_props or value.metadata_props or value.doc_string or value.meta.get(_QUANT_ANNOTATION):
+        return False
+    return not isinstance(tensor, ir.serde.TensorProtoTensor) or tensor.raw.name == value.name
 
 
 def _inline_bytes(model: ir.Model) -> int:

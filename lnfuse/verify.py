@@ -9,7 +9,7 @@ shows there); symbolic dims get concrete sizes, the same size for the same name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -48,14 +48,15 @@ class Unverifiable(Exception):
 
 
 def verify(replacements: Sequence[Replacement], opsets: dict[str, int], ir_version: int,
-           seed: int = 0) -> list[Outcome]:
-    """One outcome per replacement, in order. Batches them; on a batch failure, checks them one by one."""
+           position: Mapping[ir.Node, float], seed: int = 0) -> list[Outcome]:
+    """One outcome per replacement, in order. Batches them; on a batch failure, checks them one by one.
+    ``position`` orders the nodes of the graph the replacements are in."""
     if not replacements:
         return []
     prepared, outcomes = [], [None] * len(replacements)
     for i, rep in enumerate(replacements):
         try:
-            prepared.append((i, _Region(rep, f"c{i}__", seed + i)))
+            prepared.append((i, _Region(rep, f"c{i}__", seed + i, position)))
         except Unverifiable as error:
             outcomes[i] = Outcome(False, float("nan"), f"cannot verify: {error}")
     try:
@@ -79,7 +80,7 @@ def _first_line(error: Exception) -> str:
 class _Region:
     """One replacement cut out of its graph: the old nodes and the new nodes, reading the same inputs."""
 
-    def __init__(self, rep: Replacement, prefix: str, seed: int):
+    def __init__(self, rep: Replacement, prefix: str, seed: int, position: Mapping[ir.Node, float]):
         self.prefix = prefix
         self.rep = rep
         produced_new = {v for n in rep.nodes for v in n.outputs}
@@ -92,7 +93,7 @@ class _Region:
         for value in old_reads:
             if value not in new_reads:
                 _derive(value, set(new_reads), context)
-        old_nodes = _graph_order(context + list(rep.region))
+        old_nodes = sorted(context + list(rep.region), key=lambda n: position.get(n, len(position)))
         produced_old = {v for n in old_nodes for v in n.outputs}
         reads = _reads(old_nodes, produced_old) + new_reads
         # lookup tables are never read to verify: the region computes the same for any table contents
@@ -191,14 +192,6 @@ def _derive(value: ir.Value, known: set, context: list[ir.Node], depth: int = 0)
 
 def _reads(nodes: Sequence[ir.Node], produced: set) -> list[ir.Value]:
     return [v for n in nodes for v in n.inputs if v is not None and v not in produced]
-
-
-def _graph_order(nodes: Sequence[ir.Node]) -> list[ir.Node]:
-    graph = nodes[0].graph if nodes else None
-    if graph is None:
-        return list(nodes)
-    position = {node: i for i, node in enumerate(graph)}
-    return sorted(nodes, key=lambda n: position.get(n, len(position)))
 
 
 def _large(value: ir.Value) -> bool:
