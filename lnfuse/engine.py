@@ -114,8 +114,10 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
     position: dict[ir.Node, float] = {node: i for i, node in enumerate(nodes)}
     found = _Pass(position=position)
     consumed: set[ir.Node] = set()
+    roots = [p.root_ops() for p in rule.patterns]
+    roots = None if None in roots else frozenset().union(*roots)
     for node in reversed(nodes):
-        if node in consumed or not node.outputs:
+        if node in consumed or not node.outputs or (roots is not None and node.op_type not in roots):
             continue
         candidate = _first_valid(rule, ctx, node.outputs[0], consumed, found, position)
         if candidate is not None:

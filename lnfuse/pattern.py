@@ -67,6 +67,10 @@ class Pattern(abc.ABC):
     @abc.abstractmethod
     def _match(self, value: ir.Value | None, m: Match) -> Iterator[Match]: ...
 
+    def root_ops(self) -> frozenset[str] | None:
+        """The op types a matched value can be produced by (None: any value)."""
+        return None
+
 
 class Var(Pattern):
     """Any value (a graph input, an initializer, or any node's output) that the region reads."""
@@ -108,6 +112,9 @@ class Op(Pattern):
         self.attrs = attrs or {}
         self.extra_inputs = extra_inputs
 
+    def root_ops(self) -> frozenset[str]:
+        return frozenset(self.op_types)
+
     def _match(self, value, m):
         node = value.producer() if value is not None else None
         if node is None or node.op_type not in self.op_types or _domain(node.domain) != self.domain:
@@ -139,6 +146,10 @@ class Either(Pattern):
     def __init__(self, *alternatives: Pattern, name: str | None = None):
         self.alternatives = alternatives
         self.name = name
+
+    def root_ops(self) -> frozenset[str] | None:
+        roots = [alt.root_ops() for alt in self.alternatives]
+        return None if None in roots else frozenset().union(*roots)
 
     def _match(self, value, m):
         for alt in self.alternatives:
