@@ -1,6 +1,6 @@
 """Generate the models the benchmarks run on, into one folder (deterministic: every weight is seeded).
 
-    python benchmarks/make_models.py [--out /tmp/lnfuse-bench-models] [--only torch|gen] [--layers 12,24,48,96]
+    python benchmarks/make_models.py [--out /tmp/lnfuse-bench-models] [--only torch|stacks] [--layers 12,24,48,96]
 
 Writes:
 
@@ -9,16 +9,16 @@ Writes:
                                     dynamic batch/sequence; about 440 MB.
 * ``llama_small_legacy_op14.onnx`` LLaMA-style decoder (hidden 1024, 8 layers, 16 heads, SwiGLU FFN 2816, RoPE,
                                     RMSNorm written like HF LlamaRMSNorm with its fp32 cast), legacy exporter, opset 14.
-* ``gen_{L}layers.onnx``           BERT-like post-norm stacks of L layers (hidden 768, FFN 3072) written directly with
-                                    onnx.helper, with LayerNorm decomposed into ReduceMean/Sub/Pow/.../Add(beta).
-                                    No torch needed, so ``speed.py`` can regenerate them in seconds.
+* ``stack_{L}layers.onnx``         BERT-like post-norm stacks of L layers (hidden 512, FFN 2048: BERT-medium widths)
+                                    written directly with onnx.helper, with LayerNorm decomposed into
+                                    ReduceMean/Sub/Pow/.../Add(beta). No torch needed, so ``speed.py`` regenerates them.
 
-torch is needed only for the first two (``--only gen`` skips them). The shipped ``sample_models/*.onnx`` are not
+torch is needed only for the first two (``--only stacks`` skips them). The shipped ``sample_models/*.onnx`` are not
 copied: ``compare.py`` reads them from the repository, so there is a single copy of them.
 
-The generated stacks share their six big weight matrices between layers (every layer has its own biases, gammas,
-betas and constants). Unique 768x3072 weights at 96 layers would be 2.7 GB, past protobuf's 2 GB limit, and what
-the depth series measures is the cost of the graph, not of copying weights; BERT-base is the weight-heavy case.
+Every layer of a stack has its own weights, as in every real export (12.6 MB a layer: 151 MB at 12 layers, 1.2 GB
+at 96, under protobuf's 2 GB so every tool can write the model inline). A file-to-file tool's floor is then what it
+is on real models, reading and writing the weights; the graph's own cost grows with depth on top of it.
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ import onnx.helper as oh
 from onnx import TensorProto, numpy_helper
 
 DEFAULT_OUT = Path("/tmp/lnfuse-bench-models")
-GEN_LAYERS = (12, 24, 48, 96)
+STACK_LAYERS = (12, 24, 48, 96)
 SAMPLE_DIR = Path(__file__).resolve().parent.parent / "sample_models"
 
 # ORT 1.31 reads these IR versions; the legacy exporter writes IR 7/8 anyway, this only guards future torch.
 MAX_IR_VERSION = 10
 
 
-def gen_model_name(layers: int) -> str:
-    return f"gen_{layers}layers.onnx"
+def stack_model_name(layers: int) -> str:
+    return f"stack_{layers}layers.onnx"
 
 
 # =========================================================================== generated stacks (no torch)
@@ -55,8 +55,8 @@ def gen_model_name(layers: int) -> str:
 @dataclass(frozen=True)
 class GenConfig:
     layers: int
-    hidden: int = 768
-    ffn: int = 3072
+    hidden: int = 512
+    ffn: int = 2048
     eps: float = 1e-12
     seed: int = 0
 
@@ -124,9 +124,10 @@ def _attention(b: _GraphBuilder, x: str, weights: dict[str, str], cfg: GenConfig
     return _linear(b, context, weights["o"], cfg.hidden, f"{prefix}.output")
 
 
-def _encoder_layer(b: _GraphBuilder, x: str, weights: dict[str, str], cfg: GenConfig, i: int) -> str:
+def _encoder_layer(b: _GraphBuilder, x: str, cfg: GenConfig, i: int) -> str:
     """BERT post-norm: x = LN(x + attn(x)); x = LN(x + W2 gelu(W1 x))."""
     prefix = f"layer.{i}"
+    weights = _layer_weights(b, cfg, prefix)
     attn = _attention(b, x, weights, cfg, f"{prefix}.attention")
     x = _layer_norm(b, b.op("Add", [x, attn], prefix), cfg, f"{prefix}.attention.norm")
     hidden = _erf_gelu(b, _linear(b, x, weights["ffn_in"], cfg.ffn, f"{prefix}.intermediate"), prefix)
@@ -134,22 +135,22 @@ def _encoder_layer(b: _GraphBuilder, x: str, weights: dict[str, str], cfg: GenCo
     return _layer_norm(b, b.op("Add", [x, ffn], prefix), cfg, f"{prefix}.output.norm")
 
 
-def _shared_weights(b: _GraphBuilder, cfg: GenConfig) -> dict[str, str]:
+def _layer_weights(b: _GraphBuilder, cfg: GenConfig, prefix: str) -> dict[str, str]:
     shapes = {"q": (cfg.hidden, cfg.hidden), "k": (cfg.hidden, cfg.hidden), "v": (cfg.hidden, cfg.hidden),
               "o": (cfg.hidden, cfg.hidden), "ffn_in": (cfg.hidden, cfg.ffn), "ffn_out": (cfg.ffn, cfg.hidden)}
-    return {key: b.const(f"shared.{key}.weight", b.rng.normal(0.0, 0.02, shape)) for key, shape in shapes.items()}
+    return {key: b.const(f"{prefix}.{key}.weight", b.rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
+            for key, shape in shapes.items()}
 
 
-def build_gen_model(cfg: GenConfig) -> onnx.ModelProto:
+def build_stack(cfg: GenConfig) -> onnx.ModelProto:
     b = _GraphBuilder(np.random.default_rng(cfg.seed))
-    weights = _shared_weights(b, cfg)
     x = "hidden_states"
     for i in range(cfg.layers):
-        x = _encoder_layer(b, x, weights, cfg, i)
+        x = _encoder_layer(b, x, cfg, i)
     b.nodes.append(oh.make_node("Identity", [x], ["last_hidden_state"], name="output"))
     dims = ["batch", "sequence", cfg.hidden]
     graph = oh.make_graph(
-        b.nodes, f"gen_{cfg.layers}layers",
+        b.nodes, f"stack_{cfg.layers}layers",
         [oh.make_tensor_value_info("hidden_states", TensorProto.FLOAT, dims)],
         [oh.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, dims)],
         b.initializers)
@@ -159,16 +160,16 @@ def build_gen_model(cfg: GenConfig) -> onnx.ModelProto:
     return model
 
 
-def write_gen_model(out: Path, layers: int) -> Path:
-    path = out / gen_model_name(layers)
-    onnx.save(build_gen_model(GenConfig(layers)), path)
+def write_stack(out: Path, layers: int) -> Path:
+    path = out / stack_model_name(layers)
+    onnx.save(build_stack(GenConfig(layers)), path)
     return path
 
 
-def ensure_gen_models(out: Path, layers: tuple[int, ...] = GEN_LAYERS) -> list[Path]:
-    """Used by speed.py: (re)generate only the missing stacks, which takes well under a second each."""
+def ensure_stacks(out: Path, layers: tuple[int, ...] = STACK_LAYERS) -> list[Path]:
+    """Used by speed.py: (re)generate only the missing stacks, a few seconds each."""
     out.mkdir(parents=True, exist_ok=True)
-    return [p if (p := out / gen_model_name(n)).exists() else write_gen_model(out, n) for n in layers]
+    return [p if (p := out / stack_model_name(n)).exists() else write_stack(out, n) for n in layers]
 
 
 # =========================================================================== torch models (lazy torch import)
@@ -376,16 +377,16 @@ def _check_export(path: Path, module: Any, args: tuple) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    parser.add_argument("--only", choices=["torch", "gen"], help="make only the torch exports or only the stacks")
-    parser.add_argument("--layers", default=",".join(map(str, GEN_LAYERS)), help="depths of the generated stacks")
+    parser.add_argument("--only", choices=["torch", "stacks"], help="make only the torch exports or only the stacks")
+    parser.add_argument("--layers", default=",".join(map(str, STACK_LAYERS)), help="depths of the generated stacks")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     jobs: list[tuple[str, Callable[[], Path]]] = []
-    if args.only != "gen":
+    if args.only != "stacks":
         jobs += [(name, lambda n=name, f=factory: export_torch_model(args.out, n, f))
                  for name, factory in _torch_modules().items()]
     if args.only != "torch":
-        jobs += [(gen_model_name(n), lambda n=n: write_gen_model(args.out, n))
+        jobs += [(stack_model_name(n), lambda n=n: write_stack(args.out, n))
                  for n in (int(x) for x in args.layers.split(","))]
     for name, job in jobs:
         start = time.perf_counter()

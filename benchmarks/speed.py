@@ -2,9 +2,9 @@
 
     python benchmarks/make_models.py --only torch     # once, for BERT-base (needs torch); the stacks are made here
     python benchmarks/speed.py [--models /tmp/lnfuse-bench-models] [--rounds 5] [--json out.json]
-    python benchmarks/speed.py --profile gen_96layers.onnx [--profile-tool lnfuse-noverify]   # cProfile hotspots
+    python benchmarks/speed.py --profile stack_96layers.onnx [--profile-tool lnfuse-noverify]   # cProfile hotspots
 
-Models: ``bert_base_legacy_op14.onnx`` (skipped with a note when absent) and ``gen_{12,24,48,96}layers.onnx``
+Models: ``bert_base_legacy_op14.onnx`` (skipped with a note when absent) and ``stack_{12,24,48,96}layers.onnx``
 (generated here when absent; no torch needed).
 
 Every tool goes from the file on disk to a written file, so each time includes loading and saving:
@@ -52,7 +52,7 @@ import onnx
 import onnxruntime as ort
 
 # Run as a script, so this file's folder is on sys.path and make_models (next to it) imports without torch.
-from make_models import DEFAULT_OUT, GEN_LAYERS, ensure_gen_models, gen_model_name
+from make_models import DEFAULT_OUT, STACK_LAYERS, ensure_stacks, stack_model_name
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_MODEL = REPO / "sample_models" / "bert_tiny_legacy_op14.onnx"
@@ -221,7 +221,7 @@ def print_table(models: list[Path], tools: list[str], times: dict[tuple[str, str
 
 
 def depth_ratios(tools: list[str], times: dict[tuple[str, str], list[float | str]]) -> dict[str, float | None]:
-    shallow, deep = gen_model_name(min(GEN_LAYERS)), gen_model_name(max(GEN_LAYERS))
+    shallow, deep = stack_model_name(min(STACK_LAYERS)), stack_model_name(max(STACK_LAYERS))
     out: dict[str, float | None] = {}
     for tool in tools:
         a, b = median(times.get((shallow, tool), [])), median(times.get((deep, tool), []))
@@ -245,14 +245,14 @@ def target_lines(models: list[Path], times: dict[tuple[str, str], list[float | s
     ratio = depth.get("lnfuse")
     if ratio is not None:
         verdict = "PASS" if ratio <= DEPTH_LIMIT else "FAIL"
-        lines.append(f"{verdict}  depth: lnfuse at {max(GEN_LAYERS)} layers / {min(GEN_LAYERS)} layers = {ratio:.2f}x "
+        lines.append(f"{verdict}  depth: lnfuse at {max(STACK_LAYERS)} layers / {min(STACK_LAYERS)} layers = {ratio:.2f}x "
                      f"(target <= {DEPTH_LIMIT}x)")
     return lines
 
 
 def print_depth(depth: dict[str, float | None]) -> None:
     cells = ", ".join(f"{t} {r:.2f}x" for t, r in depth.items() if r is not None)
-    print(f"depth linearity ({max(GEN_LAYERS)} / {min(GEN_LAYERS)} layers, 8x the nodes): {cells}")
+    print(f"depth linearity ({max(STACK_LAYERS)} / {min(STACK_LAYERS)} layers, 8x the nodes): {cells}")
 
 
 # =========================================================================== profiling
@@ -283,7 +283,7 @@ def model_paths(folder: Path) -> tuple[list[Path], list[str]]:
         models.append(folder / BERT_BASE)
     else:
         notes.append(f"note: {folder / BERT_BASE} is missing (python benchmarks/make_models.py --only torch); skipped")
-    return models + ensure_gen_models(folder), notes
+    return models + ensure_stacks(folder), notes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,7 +61,8 @@ def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None =
 def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str = "ort", verify: bool = True,
          only: Iterable[str] | None = None, skip: Iterable[str] | None = None, upgrade_opset: bool = False,
          verify_model: bool = False, inputs: dict[str, np.ndarray] | None = None,
-         quantize_embeddings: str | None = None, progress: Callable[[str], None] | None = None) -> FuseResult:
+         quantize_embeddings: str | None = None,
+         progress: Callable[[float, str], None] | None = None) -> FuseResult:
     """Fuse normalization subgraphs into single ops; every rewrite is verified in ONNX Runtime unless
     ``verify=False``. The input (a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``) is never modified.
 
@@ -77,13 +78,17 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
     ``verify_model=True`` also runs the whole original and fused models (on ``inputs`` or random data).
     ``quantize_embeddings="uint8"|"int8"`` then turns the fused EmbedLayerNormalization nodes into
     QEmbedLayerNormalization and reports the worst difference to the float model.
+    ``progress(fraction, label)`` is called as the work goes on (the CLI draws a bar on a terminal with it).
     """
     if target not in TARGETS:
         raise UsageError(f"unknown target '{target}'; use one of {', '.join(TARGETS)}")
     if quantize_embeddings is not None and (quantize_embeddings not in SCHEMES or target != "ort"):
         raise UsageError(f"--quantize-embeddings takes {' or '.join(SCHEMES)} and needs --target ort")
     start = time.perf_counter()
-    options = Options(target=target, verify=verify, rules=select_rules(only, skip), progress=progress)
+    stage = _Stages(progress)
+    options = Options(target=target, verify=verify, rules=select_rules(only, skip),
+                      progress=stage.part(0.1, 0.85) if progress else None)
+    stage(0.0, "reading and checking the model")
     loaded = io.load(model)
     source = str(loaded.path) if loaded.path is not None else "<model>"
     original = ir.serde.serialize_model(loaded.model) if (verify_model or upgrade_opset) else None
@@ -93,13 +98,27 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
     if quantize_embeddings:
         _quantize(loaded, report, quantize_embeddings)
     if verify_model:
+        stage(0.85, "running the whole original and fused models")
         report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
                                             base_dir=loaded.path.parent if loaded.path else None)
     io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
     report.seconds = time.perf_counter() - start
-    if progress is not None:
-        progress("")
+    stage(1.0, "")
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path)
+
+
+class _Stages:
+    """Maps the engine's progress (0..1 over its passes) into the whole run's, for the caller's callback."""
+
+    def __init__(self, progress: Callable[[float, str], None] | None):
+        self.progress = progress
+
+    def __call__(self, fraction: float, label: str) -> None:
+        if self.progress is not None:
+            self.progress(fraction, label)
+
+    def part(self, start: float, end: float) -> Callable[[float, str], None]:
+        return lambda fraction, label: self(start + (end - start) * fraction, label)
 
 
 def _run(loaded: io.Loaded, options: Options, source: str) -> Report:

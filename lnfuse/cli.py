@@ -17,6 +17,7 @@ import numpy as np
 from lnfuse.api import TARGETS, fuse
 from lnfuse.decompose import decompose
 from lnfuse.errors import LnfuseError, UsageError
+from lnfuse.io import write_text_atomically
 
 COMMANDS = ("fuse", "explain", "decompose", "check")
 
@@ -89,9 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
-def _progress(message: str) -> None:
-    """One rewritten status line on stderr (terminals only)."""
-    sys.stderr.write(f"\r\033[K{message}" if message else "\r\033[K")
+def _progress(fraction: float, label: str) -> None:
+    """A bar on one rewritten line of stderr (terminals only); an empty label clears it."""
+    if label:
+        done = round(24 * min(max(fraction, 0.0), 1.0))
+        sys.stderr.write(f"\r\033[K[{'#' * done}{'.' * (24 - done)}] {fraction:4.0%}  {label[:60]}")
+    else:
+        sys.stderr.write("\r\033[K")
     sys.stderr.flush()
 
 
@@ -101,7 +106,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
         result.save(args.output, in_place=args.in_place)
         if not args.quiet:
             print(result.report.summary())
-            print(f"  wrote {args.output}")
+            print(f"wrote {args.output}")
         return 0
     if getattr(args, "report", None):
         folder = Path(args.report).resolve().parent
@@ -115,8 +120,9 @@ def _run(command: str, args: argparse.Namespace) -> int:
             raise UsageError(f"{args.inputs}: cannot read inputs ({error}); give an .npz of input name -> array")\
                 from None
     quiet = getattr(args, "quiet", False) or getattr(args, "json", False)
+    bar = None if quiet or not sys.stderr.isatty() else _progress
     result = fuse(args.model, target=args.target, verify=not args.no_verify, only=_rules(args.only),
-                  progress=None if quiet or not sys.stderr.isatty() else _progress,
+                  progress=bar,
                   skip=_rules(args.skip), upgrade_opset=args.upgrade_opset,
                   verify_model=getattr(args, "verify", None) == "model", inputs=inputs,
                   quantize_embeddings=getattr(args, "quantize_embeddings", None))
@@ -137,14 +143,20 @@ def _run(command: str, args: argparse.Namespace) -> int:
         print(f"lnfuse: error: the fused model differs from the original ({report.model_check['summary']}); "
               "nothing was written, please report this model", file=sys.stderr)
         return 1
-    result.save(args.output, in_place=args.in_place, external_data=args.external_data)
+    if bar is not None:
+        bar(0.95, f"writing {args.output}")
+    try:
+        result.save(args.output, in_place=args.in_place, external_data=args.external_data)
+    finally:
+        if bar is not None:
+            bar(1.0, "")
     if args.report:
-        Path(args.report).write_text(report.to_json())
+        write_text_atomically(Path(args.report), report.to_json())
     if args.json:
         print(report.to_json())
     elif not args.quiet:
         print(report.summary(verbose=args.verbose, colour=sys.stdout.isatty()))
-        print(f"  wrote {args.output}")
+        print(f"wrote {args.output}")
     return 0
 
 

@@ -28,8 +28,8 @@ class Options:
     target: str = "ort"
     verify: bool = True
     rules: tuple[Rule, ...] = ()
-    #: called with a short status line while the pass runs (the CLI shows it on a terminal)
-    progress: Callable[[str], None] | None = None
+    #: called with (fraction of the pass done, what is running) while the pass runs (the CLI draws a bar)
+    progress: Callable[[float, str], None] | None = None
 
 
 @dataclass
@@ -61,16 +61,19 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
     """Rewrite ``model`` in place and record what happened in ``report``."""
     names = _all_names(model)
     opsets_used: dict[str, int] = {}
-    for scope in scopes(model):
+    every_scope = list(scopes(model))
+    steps, step = max(1, len(every_scope) * len(options.rules)), 0
+    for scope in every_scope:
         for what in canonicalize(scope.graph):
             report.notes.append(f"{scope.path}: removed {what}")
         ctx = GraphContext(scope.graph, scope.opset, options.target, scope.path, names)
         refusals: list[tuple[Rule, _Pass]] = []
         for rule in options.rules:
+            step += 1
             if options.target not in rule.targets:
                 continue
             if options.progress is not None:
-                options.progress(f"lnfuse: {scope.path}: {rule.name}")
+                options.progress((step - 1) / steps, f"{scope.path}: {rule.name}")
             found = find(rule, ctx)
             kept = _verified(found.accepted, model, scope, options, report, found)
             for candidate in kept:

@@ -387,6 +387,19 @@ def _referenced_files(model: ir.Model) -> set[tuple[Path, str]]:
     return found
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """A small text file (the JSON report), written to a temporary file beside it and renamed into place."""
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".lnfuse-tmp",
+                                         delete=False) as file:
+            file.write(text)
+        os.replace(file.name, path)
+    except OSError as error:
+        with contextlib.suppress(OSError, UnboundLocalError):
+            os.unlink(file.name)
+        raise OutputError(f"{path}: could not write the report ({error.strerror or error})") from None
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.exists() and os.path.samefile(a, b)

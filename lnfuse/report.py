@@ -63,51 +63,51 @@ class Report:
         data["worst_error"] = self.worst_errors()
         return json.dumps(data, indent=2, default=_plain, allow_nan=False)
 
-    def summary(self, verbose: bool = False, colour: bool = False) -> str:
-        text = self._summary(verbose)
-        if not colour:
-            return text
-        # on a terminal only: fused in green, left unfused in yellow, the header in bold
-        paint = {"  fused:": "\033[32m", "  left unfused:": "\033[33m", "lnfuse:": "\033[1m"}
-        lines = []
-        for line in text.splitlines():
-            start = next((code for key, code in paint.items() if line.startswith(key)), None)
-            lines.append(f"{start}{line}\033[0m" if start else line)
-        return "\n".join(lines)
+    def fused_by_rule(self) -> list[tuple[str, str, int, float | None]]:
+        """(rule, fused op, count in the written model, worst verified error), one row per op the model gained."""
+        counts, worst = self.fused_counts(), self.worst_errors()
+        rule_of: dict[str, str] = {}
+        for f in self.fused:
+            rule_of.setdefault(f.op_type, f.rule)
+        return [(rule_of[op], op, n, worst.get(op)) for op, n in counts.items()]
 
-    def _summary(self, verbose: bool) -> str:
+    def summary(self, verbose: bool = False, colour: bool = False) -> str:
+        """Small tables: op counts before/after, fused per rule, what was left and why, notes, time."""
+        style = _Style(colour)
         nodes_before, nodes_after = sum(self.ops_before.values()), sum(self.ops_after.values())
-        lines = [f"lnfuse: {self.source} (target {self.target}, verification {'on' if self.verified else 'off'})",
-                 f"  nodes: {nodes_before} -> {nodes_after}"]
+        lines = [style.bold(f"lnfuse: {self.source}") + f"  (target {self.target}, verification "
+                 f"{'on' if self.verified else 'off'}, {self.seconds:.2f} s)", ""]
         changed = sorted(op for op in set(self.ops_before) | set(self.ops_after)
                          if self.ops_before.get(op, 0) != self.ops_after.get(op, 0))
-        if changed:
-            lines.append("  ops changed: " + ", ".join(
-                f"{op} {self.ops_before.get(op, 0)}->{self.ops_after.get(op, 0)}" for op in changed))
-        counts, worst = self.fused_counts(), self.worst_errors()
-        if counts:
-            lines.append("  fused:")
-            for op, n in sorted(counts.items()):
-                err = f"  (worst verified error {worst[op]:.2e})" if op in worst else ""
-                lines.append(f"    {op:<34} {n:>4}{err}")
+        rows = [[op, str(self.ops_before.get(op, 0)), str(self.ops_after.get(op, 0))] for op in changed]
+        lines += _table(["op", "before", "after"], rows + [["all nodes", str(nodes_before), str(nodes_after)]])
+        lines.append("")
+        fused = self.fused_by_rule()
+        if fused:
+            lines += style.green(_table(["rule", "fused op", "count", "worst verified error"],
+                                        [[r, op, str(n), "not verified" if e is None else f"{e:.2e}"]
+                                         for r, op, n, e in fused]))
         else:
-            lines.append("  fused: nothing")
+            lines.append("fused: nothing")
         if self.unfused:
-            lines.append(f"  left unfused: {len(self.unfused)} candidate(s)")
-            for u in self.unfused if verbose else self.unfused[:20]:
-                lines.append(f"    {u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
-            if not verbose and len(self.unfused) > 20:
-                lines.append(f"    ... {len(self.unfused) - 20} more (-v, or lnfuse explain)")
+            lines.append("")
+            shown = self.unfused if verbose else self.unfused[:20]
+            lines += style.yellow(_table([f"left unfused ({len(self.unfused)})", "rule/check", "reason"],
+                                         [[f"{u.graph}: {u.anchor}", f"{u.rule}/{u.check}", u.reason]
+                                          for u in shown]))
+            if len(shown) < len(self.unfused):
+                lines.append(f"... {len(self.unfused) - len(shown)} more (-v, or lnfuse explain)")
         if verbose:
+            lines.append("")
             for f in self.fused:
                 err = "" if f.max_error is None else f" err {f.max_error:.2e}"
-                lines.append(f"    fused {f.op_type} in {f.graph} from {len(f.nodes)} nodes "
+                lines.append(f"fused {f.op_type} in {f.graph} from {len(f.nodes)} nodes "
                              f"({', '.join(f.nodes[:3])}{'...' if len(f.nodes) > 3 else ''}){err}")
+        if self.model_check or self.notes:
+            lines.append("")
         if self.model_check:
-            lines.append(f"  whole-model check: {self.model_check.get('summary')}")
-        for note in self.notes:
-            lines.append(f"  note: {note}")
-        lines.append(f"  time: {self.seconds:.2f} s")
+            lines.append(f"whole-model check: {self.model_check.get('summary')}")
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
     def explain(self) -> str:
@@ -123,6 +123,44 @@ class Report:
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+
+class _Style:
+    """ANSI colour on a terminal, plain text elsewhere."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def _paint(self, code: str, lines):
+        if isinstance(lines, str):
+            return f"\033[{code}m{lines}\033[0m" if self.enabled else lines
+        return [self._paint(code, line) for line in lines]
+
+    def bold(self, text):
+        return self._paint("1", text)
+
+    def green(self, lines):
+        return self._paint("32", lines)
+
+    def yellow(self, lines):
+        return self._paint("33", lines)
+
+
+def _table(header: list[str], rows: list[list[str]], max_width: int = 100) -> list[str]:
+    """Left-aligned columns, numbers right-aligned; the last column is not padded (reasons are long)."""
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    widths = [min(w, max_width) for w in widths]
+
+    def line(cells: list[str]) -> str:
+        out = []
+        for i, cell in enumerate(cells):
+            if cell.isdigit():
+                out.append(cell.rjust(widths[i]))
+            else:
+                out.append(cell if i == len(cells) - 1 else cell.ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    return [line(header)] + [line(r) for r in rows]
 
 
 def _plain(obj):

@@ -39,7 +39,7 @@ def test_fuse_prints_summary_writes_output_and_report(model_path: Path, tmp_path
     proc = lnfuse(str(model_path), "-o", str(out), "--report", str(report))
     assert proc.returncode == 0, proc.stderr
     assert "LayerNormalization" in proc.stdout and "worst verified error" in proc.stdout
-    assert "nodes:" in proc.stdout and "time:" in proc.stdout
+    assert "all nodes" in proc.stdout and "before" in proc.stdout and " s)" in proc.stdout
     assert _digest(model_path) == before, "the input is never modified"
     fused = onnx.load(out)
     onnx.checker.check_model(fused, full_check=True)
@@ -55,6 +55,22 @@ def test_quiet_and_json(model_path: Path, tmp_path: Path):
     assert quiet.returncode == 0 and quiet.stdout == ""
     as_json = lnfuse(str(model_path), "-o", str(tmp_path / "b.onnx"), "--json")
     assert json.loads(as_json.stdout)["fused"][0]["op_type"] == "LayerNormalization"
+
+
+def test_progress_bar_on_a_terminal_only(model_path: Path, tmp_path: Path):
+    import pty
+    terminal, stderr = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "lnfuse.cli", str(model_path), "-o", str(tmp_path / "a.onnx")],
+                              stdout=subprocess.PIPE, stderr=stderr, timeout=300)
+        os.set_blocking(terminal, False)
+        drawn = os.read(terminal, 1 << 16).decode()
+    finally:
+        os.close(stderr)
+        os.close(terminal)
+    assert proc.returncode == 0 and "] 100%" not in drawn and "%  main: layer_norm" in drawn and "[" in drawn
+    piped = lnfuse(str(model_path), "-o", str(tmp_path / "b.onnx"))
+    assert piped.returncode == 0 and piped.stderr == "", "no bar when stderr is not a terminal"
 
 
 def test_explain_lists_fused_and_refused_candidates(tmp_path: Path):
