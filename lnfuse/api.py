@@ -33,6 +33,7 @@ class FuseResult:
     report: Report
     has_external_data: bool = False
     source_path: Path | None = None
+    source_weights: io.SourceWeights | None = None
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -44,7 +45,7 @@ class FuseResult:
         if external_data not in io.EXTERNAL_LAYOUTS:
             raise UsageError(f"unknown external data layout '{external_data}'; use {' or '.join(io.EXTERNAL_LAYOUTS)}")
         io.save(self.ir_model, path, external_data=external_data if self.has_external_data else None,
-                input_path=self.source_path, in_place=in_place)
+                input_path=self.source_path, in_place=in_place, source=self.source_weights)
 
 
 def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None = None) -> tuple[Rule, ...]:
@@ -104,7 +105,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
     io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
     report.seconds = time.perf_counter() - start
     stage(1.0, "")
-    return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path)
+    return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)
 
 
 class _Stages:

@@ -90,7 +90,7 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
     report.ops_after = _op_counts(loaded.model)
     io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
     report.seconds = time.perf_counter() - start
-    return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path)
+    return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)
 
 
 _EMBED = ("com.microsoft", "EmbedLayerNormalization")

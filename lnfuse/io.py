@@ -22,11 +22,25 @@ from google.protobuf.message import DecodeError
 
 from onnx.external_data_helper import load_external_data_for_tensor
 
+from lnfuse import wire
 from lnfuse.errors import InputError, OutputError
 from lnfuse.shapes import infer_function_types, infer_shapes
 
 #: ONNX Runtime 1.31 reads IR versions up to 13
 MAX_IR_VERSION = 13
+
+
+@dataclass(frozen=True)
+class SourceWeights:
+    """Where the input file holds each inline weight, and the tensor objects read from there: a weight the model
+    still holds as that same (immutable) object is written by copying its bytes from the file."""
+
+    spans: wire.InitializerSpans
+    tensors: dict[str, ir.TensorProtocol]
+
+    def span_of(self, value: ir.Value) -> tuple[int, int] | None:
+        tensor = self.tensors.get(value.name)
+        return self.spans.spans.get(value.name) if tensor is not None and value.const_value is tensor else None
 
 
 @dataclass
@@ -36,10 +50,12 @@ class Loaded:
     declared_value_info: set[str] = field(default_factory=set)
     has_external_data: bool = False
     shape_inference_error: str | None = None
+    source: SourceWeights | None = None
 
 
-def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
-    """The model's graph, without external data, or ``InputError`` saying what is wrong with the file."""
+def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, wire.InitializerSpans | None]:
+    """The model's graph, without external data, and where its inline weights lie in the file; or ``InputError``
+    saying what is wrong with the file."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file; check the path")
@@ -48,28 +64,32 @@ def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
     if p.stat().st_size == 0:
         raise InputError(f"{p}: the file is empty; re-export the model")
     try:
-        proto = _parse(p)
+        proto, spans = _parse(p)
     except (DecodeError, RuntimeError, ValueError, OSError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise InputError(f"{p}: not a readable ONNX model (truncated or not ONNX: {first}); re-export it") from None
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise InputError(f"{p}: not an ONNX model (no graph or IR version); re-export it")
-    return proto
+    return proto, spans
 
 
 #: onnx.load's text formats, chosen by file extension like onnx does
 _TEXT_SUFFIXES = (".json", ".onnxtxt", ".textproto", ".prototxt", ".pbtxt")
 
 
-def _parse(path: Path) -> onnx.ModelProto:
+def _parse(path: Path) -> tuple[onnx.ModelProto, wire.InitializerSpans | None]:
     """Parse straight from the page cache: reading the file into a bytes object first (as onnx.load does) costs a
-    second copy of every inline weight."""
+    second copy of every inline weight. Also index where the inline weights lie, to copy them when saving."""
     if path.suffix.lower() in _TEXT_SUFFIXES:
-        return onnx.load(str(path), load_external_data=False)
+        return onnx.load(str(path), load_external_data=False), None
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         proto = onnx.ModelProto()
         proto.ParseFromString(memoryview(mapped))
-    return proto
+        try:
+            spans = wire.InitializerSpans.index(path, mapped)
+        except (ValueError, IndexError):
+            spans = None  # parsed fine yet not indexable: save serializes every weight instead
+    return proto, spans
 
 
 def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None) -> onnx.ModelProto:
@@ -210,12 +230,13 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
         # work on a copy: the caller's model is never modified; external tensors keep pointing at their files
         base_dir = next((Path(t.base_dir) for t in _external_ir_tensors(source)), None)
         source = ir.serde.serialize_model(source)
+    spans = None
     if isinstance(source, onnx.ModelProto):
         proto, path, where = source, None, "model"
         proto = onnx.ModelProto.FromString(proto.SerializeToString())
     else:
         path = Path(source)
-        proto, where = read_proto(path), str(path)
+        (proto, spans), where = read_proto(path), str(path)
     skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
     has_external = bool(_external_tensors(proto))
@@ -231,7 +252,11 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     infer_function_types(model)
     if path is not None or base_dir is not None:
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
-    return Loaded(model, path, declared, has_external, error)
+    weights = None
+    if spans is not None:
+        weights = SourceWeights(spans, {name: v.const_value for name, v in model.graph.initializers.items()
+                                        if name in spans.spans and v.const_value is not None})
+    return Loaded(model, path, declared, has_external, error, weights)
 
 
 def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:
@@ -263,7 +288,7 @@ EXTERNAL_LAYOUTS = ("keep", "single")
 
 
 def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None, input_path: Path | None = None,
-         in_place: bool = False) -> None:
+         in_place: bool = False, source: SourceWeights | None = None) -> None:
     """Write ``model`` to ``path`` atomically: everything goes to a temporary folder beside the target, then each
     file is renamed into place, data first. A crash or Ctrl-C leaves no partial output, and the input's data files
     are never written to."""
@@ -278,7 +303,7 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
     tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".lnfuse-tmp", dir=folder))
-        _write(model, tmp / target.name, external_data, folder)
+        _write(model, tmp / target.name, external_data, folder, source)
         produced = sorted((p for p in tmp.rglob("*") if p.is_file()), key=lambda p: p.name == target.name)
         for file in produced:
             final = folder / file.relative_to(tmp)
@@ -293,7 +318,8 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
                 shutil.rmtree(tmp)
 
 
-def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: Path) -> None:
+def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: Path,
+           source: SourceWeights | None) -> None:
     data_name = tmp_model.name + ".data"
     if external_data == "single":
         ir.save(model, tmp_model, external_data=data_name)
@@ -301,7 +327,7 @@ def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: 
     if _inline_bytes(model) > onnx.checker.MAXIMUM_PROTOBUF * 0.9:
         ir.save(model, tmp_model, external_data=data_name)
         return
-    _write_streamed(model, tmp_model)
+    _write_streamed(model, tmp_model, source)
     if external_data == "keep":
         # a hard link would be free, but onnx's checker then rejects both models ("potential hardlink attack")
         for source, location in _referenced_files(model):
@@ -314,10 +340,10 @@ def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: 
 _STREAMED_BYTES = 1 << 12
 
 
-def _write_streamed(model: ir.Model, path: Path) -> None:
-    """Write the model, then its large initializers one at a time. Protobuf merges repeated occurrences of a
-    message field, so ``ModelProto{graph: {initializer: [t]}}`` appended to the file adds ``t`` to the graph: the
-    weights are serialized from the tensors the model was read into, never copied into a second whole model."""
+def _write_streamed(model: ir.Model, path: Path, source: SourceWeights | None) -> None:
+    """Write the model without its large initializers, then append each one as a graph initializer field (see
+    ``wire.initializer_header``). A weight still held as read from the input file is copied from that file's
+    bytes; others are serialized one at a time. Either way no second copy of all the weights is ever made."""
     graph = model.graph
     streamed = [v for v in graph.initializers.values() if _streamable(v)]
     # the dict behind graph.initializers, so the values keep their initializer state while left out
@@ -330,32 +356,30 @@ def _write_streamed(model: ir.Model, path: Path) -> None:
     finally:
         registry.clear()
         registry.update(every)
-    with open(path, "wb") as file:
+    with contextlib.ExitStack() as stack:
+        view = None
+        if source is not None and source.spans.still_valid():
+            original = stack.enter_context(open(source.spans.path, "rb"))
+            mapped = stack.enter_context(mmap.mmap(original.fileno(), 0, access=mmap.ACCESS_READ))
+            view = stack.enter_context(memoryview(mapped))
+        file = stack.enter_context(open(path, "wb"))
         file.write(head)
         for value in streamed:
+            span = source.span_of(value) if view is not None else None
+            if span is not None:
+                offset, length = span
+                file.write(wire.initializer_header(length))
+                file.write(view[offset:offset + length])
+                continue
             tensor = value.const_value
             proto = tensor.raw if isinstance(tensor, ir.serde.TensorProtoTensor) else ir.serde.serialize_tensor(tensor)
             data = proto.SerializeToString()
-            initializer = _field_header(_GRAPH_INITIALIZER, len(data))
-            file.write(_field_header(_MODEL_GRAPH, len(initializer) + len(data)) + initializer)
+            file.write(wire.initializer_header(len(data)))
             file.write(data)
 
 
 #: where onnx_ir keeps a value's quantization annotation (written with the graph, not with the tensor)
 _QUANT_ANNOTATION = "quant_parameter_tensor_names"
-
-#: field numbers in onnx.proto: ModelProto.graph, GraphProto.initializer
-_MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
-
-
-def _field_header(number: int, length: int) -> bytes:
-    """Tag and length of a length-delimited protobuf field."""
-    out = bytearray([number << 3 | 2])
-    while True:
-        byte, length = length & 0x7F, length >> 7
-        out.append(byte | (0x80 if length else 0))
-        if not length:
-            return bytes(out)
 
 
 def _streamable(value: ir.Value) -> bool:

@@ -31,3 +31,28 @@ def test_saved_file_is_the_fused_model(tmp_path: Path, name: str, target: str):
         ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     else:
         onnx.checker.check_model(str(out), full_check=True)
+
+
+def test_weights_are_copied_from_the_input_only_while_it_is_unchanged(tmp_path: Path):
+    """Kept weights are copied from the input file's bytes; if that file changes between fuse and save, they are
+    written from memory instead, so the output is still the model that was fused."""
+    model = tmp_path / "model.onnx"
+    model.write_bytes((SAMPLES / "bert_tiny_legacy_op14.onnx").read_bytes())
+    result = lnfuse.fuse(model)
+    held = {t.name: t.SerializeToString() for t in result.model.graph.initializer}
+    first, second = tmp_path / "first.onnx", tmp_path / "second.onnx"
+    result.save(first)
+    model.write_bytes(b"\0" * model.stat().st_size)  # same size, other bytes: a rewrite of the input
+    result.save(second)
+    for out in (first, second):
+        assert {t.name: t.SerializeToString() for t in onnx.load(str(out)).graph.initializer} == held
+
+
+def test_in_place_rewrite_reads_the_weights_before_replacing_the_file(tmp_path: Path):
+    model = tmp_path / "model.onnx"
+    model.write_bytes((SAMPLES / "gpt2_tiny_legacy_op14.onnx").read_bytes())
+    result = lnfuse.fuse(model)
+    held = {t.name: t.SerializeToString() for t in result.model.graph.initializer}
+    result.save(model, in_place=True)
+    assert {t.name: t.SerializeToString() for t in onnx.load(str(model)).graph.initializer} == held
+    ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
