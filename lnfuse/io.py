@@ -23,24 +23,12 @@ from google.protobuf.message import DecodeError
 from onnx.external_data_helper import load_external_data_for_tensor
 
 from lnfuse import wire
+from lnfuse.weights import InlineWeight, SourceWeights, attach, placeholders
 from lnfuse.errors import InputError, OutputError
 from lnfuse.shapes import infer_function_types, infer_shapes
 
 #: ONNX Runtime 1.31 reads IR versions up to 13
 MAX_IR_VERSION = 13
-
-
-@dataclass(frozen=True)
-class SourceWeights:
-    """Where the input file holds each inline weight, and the tensor objects read from there: a weight the model
-    still holds as that same (immutable) object is written by copying its bytes from the file."""
-
-    spans: wire.InitializerSpans
-    tensors: dict[str, ir.TensorProtocol]
-
-    def span_of(self, value: ir.Value) -> tuple[int, int] | None:
-        tensor = self.tensors.get(value.name)
-        return self.spans.spans.get(value.name) if tensor is not None and value.const_value is tensor else None
 
 
 @dataclass
@@ -53,9 +41,10 @@ class Loaded:
     source: SourceWeights | None = None
 
 
-def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, wire.InitializerSpans | None]:
-    """The model's graph, without external data, and where its inline weights lie in the file; or ``InputError``
-    saying what is wrong with the file."""
+def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, dict[str, tuple[int, int]]]:
+    """The model without its data: external data stays external, and large inline weights become placeholders that
+    point into the model file (name -> span of their TensorProto in the file is returned with it). Or
+    ``InputError`` saying what is wrong with the file."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file; check the path")
@@ -73,22 +62,28 @@ def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, wire.Initializ
     return proto, spans
 
 
+#: inline weights of at least this many bytes stay in the file until a rule needs their values
+_LAZY_BYTES = 1 << 12
+
 #: onnx.load's text formats, chosen by file extension like onnx does
 _TEXT_SUFFIXES = (".json", ".onnxtxt", ".textproto", ".prototxt", ".pbtxt")
 
 
-def _parse(path: Path) -> tuple[onnx.ModelProto, wire.InitializerSpans | None]:
-    """Parse straight from the page cache: reading the file into a bytes object first (as onnx.load does) costs a
-    second copy of every inline weight. Also index where the inline weights lie, to copy them when saving."""
+def _parse(path: Path) -> tuple[onnx.ModelProto, dict[str, tuple[int, int]]]:
+    """Parse the model's structure from the page cache, leaving its large inline weights in the file."""
     if path.suffix.lower() in _TEXT_SUFFIXES:
-        return onnx.load(str(path), load_external_data=False), None
+        return onnx.load(str(path), load_external_data=False), {}
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        proto = onnx.ModelProto()
-        proto.ParseFromString(memoryview(mapped))
         try:
-            spans = wire.InitializerSpans.index(path, mapped)
-        except (ValueError, IndexError):
-            spans = None  # parsed fine yet not indexable: save serializes every weight instead
+            structure, lazy = wire.split_weights(mapped, _LAZY_BYTES)
+            proto = onnx.ModelProto.FromString(structure)
+            weights, spans = placeholders(lazy, path)
+        except (ValueError, IndexError, DecodeError):
+            # not splittable (truncated, or not what it claims): let protobuf say what is wrong, or read it whole
+            proto, spans, weights = onnx.ModelProto.FromString(memoryview(mapped)), {}, []
+    if weights and not proto.HasField("graph"):
+        raise ValueError("weights outside of a graph")
+    proto.graph.initializer.extend(weights)
     return proto, spans
 
 
@@ -230,7 +225,7 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
         # work on a copy: the caller's model is never modified; external tensors keep pointing at their files
         base_dir = next((Path(t.base_dir) for t in _external_ir_tensors(source)), None)
         source = ir.serde.serialize_model(source)
-    spans = None
+    spans: dict[str, tuple[int, int]] = {}
     if isinstance(source, onnx.ModelProto):
         proto, path, where = source, None, "model"
         proto = onnx.ModelProto.FromString(proto.SerializeToString())
@@ -239,7 +234,7 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
         (proto, spans), where = read_proto(path), str(path)
     skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
-    has_external = bool(_external_tensors(proto))
+    has_external = any(t.name not in spans for t in _external_tensors(proto))
     inferred, error = infer_shapes(skeleton)
     # the inferred types go back into the full model: the node list carries the subgraphs' value_info too
     proto.graph.ClearField("value_info")
@@ -252,10 +247,7 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     infer_function_types(model)
     if path is not None or base_dir is not None:
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
-    weights = None
-    if spans is not None:
-        weights = SourceWeights(spans, {name: v.const_value for name, v in model.graph.initializers.items()
-                                        if name in spans.spans and v.const_value is not None})
+    weights = attach(model, spans, wire.FileIdentity.of(path)) if spans else None
     return Loaded(model, path, declared, has_external, error, weights)
 
 
@@ -320,6 +312,11 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
 
 def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: Path,
            source: SourceWeights | None) -> None:
+    for graph in _all_graphs(model):
+        if not isinstance(graph, ir.Function):
+            for value in graph.initializers.values():
+                if isinstance(value.const_value, InlineWeight):
+                    value.const_value.check_source()
     data_name = tmp_model.name + ".data"
     if external_data == "single":
         ir.save(model, tmp_model, external_data=data_name)
@@ -358,8 +355,8 @@ def _write_streamed(model: ir.Model, path: Path, source: SourceWeights | None) -
         registry.update(every)
     with contextlib.ExitStack() as stack:
         view = None
-        if source is not None and source.spans.still_valid():
-            original = stack.enter_context(open(source.spans.path, "rb"))
+        if source is not None and source.file.unchanged():
+            original = stack.enter_context(open(source.file.path, "rb"))
             mapped = stack.enter_context(mmap.mmap(original.fileno(), 0, access=mmap.ACCESS_READ))
             view = stack.enter_context(memoryview(mapped))
         file = stack.enter_context(open(path, "wb"))

@@ -30,6 +30,9 @@ TOLERANCE = {
 _SMALL_SCALE = {ir.DataType.DOUBLE: 1e-4, ir.DataType.FLOAT: 1e-4, ir.DataType.FLOAT16: 3e-3,
                 ir.DataType.BFLOAT16: 3e-2}
 _SIZES = (2, 3, 5, 4, 6, 7)
+#: regions per ORT session: one session for many regions saves the per-session cost, but ORT's session setup grows
+#: faster than linearly with the graph, so very large batches are split
+_BATCH = 48
 _LARGE = 1 << 16
 #: lookup ids are drawn from the first rows of a table; only those rows get random values, so verifying a
 #: 30,000-row embedding costs a few kilobytes instead of a full random table per region
@@ -59,16 +62,17 @@ def verify(replacements: Sequence[Replacement], opsets: dict[str, int], ir_versi
             prepared.append((i, _Region(rep, f"c{i}__", seed + i, position)))
         except Unverifiable as error:
             outcomes[i] = Outcome(False, float("nan"), f"cannot verify: {error}")
-    try:
-        results = _run([r for _, r in prepared], opsets, ir_version)
-        for (i, _), outcome in zip(prepared, results):
-            outcomes[i] = outcome
-    except Exception:  # noqa: BLE001 - isolate the failing region below
-        for i, region in prepared:
-            try:
-                outcomes[i] = _run([region], opsets, ir_version)[0]
-            except Exception as error:  # noqa: BLE001 - ORT raises several types; the message is what matters
-                outcomes[i] = Outcome(False, float("nan"), f"ORT could not run it: {_first_line(error)}")
+    for start in range(0, len(prepared), _BATCH):
+        batch = prepared[start:start + _BATCH]
+        try:
+            for (i, _), outcome in zip(batch, _run([r for _, r in batch], opsets, ir_version)):
+                outcomes[i] = outcome
+        except Exception:  # noqa: BLE001 - isolate the failing region below
+            for i, region in batch:
+                try:
+                    outcomes[i] = _run([region], opsets, ir_version)[0]
+                except Exception as error:  # noqa: BLE001 - ORT raises several types; the message is what matters
+                    outcomes[i] = Outcome(False, float("nan"), f"ORT could not run it: {_first_line(error)}")
     return outcomes
 
 

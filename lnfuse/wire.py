@@ -7,7 +7,6 @@ their bytes from the input file (from the page cache) instead of serializing the
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 #: field numbers in onnx.proto
 MODEL_GRAPH = 7
 GRAPH_INITIALIZER = 5
-TENSOR_NAME = 8
+TENSOR_SEGMENT, TENSOR_RAW_DATA, TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION = 3, 9, 13, 14
 
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 
@@ -42,7 +41,7 @@ def _varint_bytes(value: int) -> bytes:
             return bytes(out)
 
 
-def _varint(buf: mmap.mmap, pos: int) -> tuple[int, int]:
+def _varint(buf, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         byte = buf[pos]
@@ -53,16 +52,18 @@ def _varint(buf: mmap.mmap, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(buf: mmap.mmap, start: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """(field number, offset, length) of each length-delimited field in ``buf[start:end]``; others are skipped."""
+def _fields(buf, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """Each field of the message in ``buf[start:end]``: (number, wire type, where its tag starts, where its payload
+    starts, where it ends). Payloads are skipped, not decoded."""
     pos = start
     while pos < end:
+        field_start = pos
         key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7
+        payload = pos
         if wire == _LENGTH_DELIMITED:
-            length, pos = _varint(buf, pos)
-            yield number, pos, length
-            pos += length
+            length, payload = _varint(buf, pos)
+            pos = payload + length
         elif wire == _VARINT:
             _, pos = _varint(buf, pos)
         elif wire == _FIXED64:
@@ -70,35 +71,71 @@ def _fields(buf: mmap.mmap, start: int, end: int) -> Iterator[tuple[int, int, in
         elif wire == _FIXED32:
             pos += 4
         else:
-            raise ValueError(f"unsupported protobuf wire type {wire} at byte {pos}")
+            raise ValueError(f"unsupported protobuf wire type {wire} at byte {field_start}")
+        yield number, wire, field_start, payload, pos
     if pos != end:
         raise ValueError("a field runs past the end of its message")
 
 
 @dataclass(frozen=True)
-class InitializerSpans:
-    """Where each main-graph initializer's serialized TensorProto lies in a model file, and the file's identity
-    when it was indexed (the bytes are copied only if the file is still the same)."""
+class LazyInitializer:
+    """An inline weight left out of the parsed model: its TensorProto without the data, where that TensorProto
+    lies in the file (to copy it when saving), and where its raw bytes lie (to read them if a rule needs them)."""
+
+    header: bytes
+    span: tuple[int, int]
+    data: tuple[int, int]
+
+
+def split_weights(buf, min_bytes: int) -> tuple[bytes, list[LazyInitializer]]:
+    """The model's bytes without its large raw-data initializers, and those initializers.
+
+    Only tensors stored plainly qualify (raw_data, no external location, no segment); everything else stays in the
+    bytes as it was, so parsing them gives the model minus the listed weights.
+    """
+    model, lazy = bytearray(), []
+    for number, _, field_start, payload, end in _fields(buf, 0, len(buf)):
+        if number != MODEL_GRAPH:
+            model += buf[field_start:end]
+            continue
+        graph = bytearray()
+        for inner, _, g_start, g_payload, g_end in _fields(buf, payload, end):
+            weight = _plain_weight(buf, g_payload, g_end, min_bytes) if inner == GRAPH_INITIALIZER else None
+            if weight is None:
+                graph += buf[g_start:g_end]
+            else:
+                header, data = weight
+                lazy.append(LazyInitializer(header, (g_payload, g_end - g_payload), data))
+        model += field_header(MODEL_GRAPH, len(graph)) + graph
+    return bytes(model), lazy
+
+
+def _plain_weight(buf, start: int, end: int, min_bytes: int) -> tuple[bytes, tuple[int, int]] | None:
+    header, data = bytearray(), None
+    for number, _, f_start, payload, f_end in _fields(buf, start, end):
+        if number == TENSOR_RAW_DATA:
+            data = (payload, f_end - payload)
+        elif number in (TENSOR_SEGMENT, TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION):
+            return None
+        else:
+            header += buf[f_start:f_end]
+    if data is None or data[1] < min_bytes:
+        return None
+    return bytes(header), data
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """A file as it was when it was read: its bytes are reused only while this still matches."""
 
     path: Path
     identity: tuple[int, int, int, int]
-    spans: dict[str, tuple[int, int]]
 
     @staticmethod
-    def index(path: Path, buf: mmap.mmap) -> InitializerSpans:
-        spans = {}
-        for number, offset, length in _fields(buf, 0, len(buf)):
-            if number != MODEL_GRAPH:
-                continue
-            for inner, t_offset, t_length in _fields(buf, offset, offset + length):
-                if inner != GRAPH_INITIALIZER:
-                    continue
-                for field, n_offset, n_length in _fields(buf, t_offset, t_offset + t_length):
-                    if field == TENSOR_NAME:
-                        spans[bytes(buf[n_offset:n_offset + n_length]).decode()] = (t_offset, t_length)
-        return InitializerSpans(path, _identity(path), spans)
+    def of(path: Path) -> FileIdentity:
+        return FileIdentity(path, _identity(path))
 
-    def still_valid(self) -> bool:
+    def unchanged(self) -> bool:
         try:
             return _identity(self.path) == self.identity
         except OSError:

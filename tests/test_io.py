@@ -33,19 +33,20 @@ def test_saved_file_is_the_fused_model(tmp_path: Path, name: str, target: str):
         onnx.checker.check_model(str(out), full_check=True)
 
 
-def test_weights_are_copied_from_the_input_only_while_it_is_unchanged(tmp_path: Path):
-    """Kept weights are copied from the input file's bytes; if that file changes between fuse and save, they are
-    written from memory instead, so the output is still the model that was fused."""
+def test_weights_stay_in_the_input_file_until_saved(tmp_path: Path):
+    """Weights no rule needs are copied from the input file when saving; if that file changed in between, saving
+    stops with a clear error instead of writing other weights."""
     model = tmp_path / "model.onnx"
     model.write_bytes((SAMPLES / "bert_tiny_legacy_op14.onnx").read_bytes())
     result = lnfuse.fuse(model)
     held = {t.name: t.SerializeToString() for t in result.model.graph.initializer}
-    first, second = tmp_path / "first.onnx", tmp_path / "second.onnx"
+    first = tmp_path / "first.onnx"
     result.save(first)
-    model.write_bytes(b"\0" * model.stat().st_size)  # same size, other bytes: a rewrite of the input
-    result.save(second)
-    for out in (first, second):
-        assert {t.name: t.SerializeToString() for t in onnx.load(str(out)).graph.initializer} == held
+    assert {t.name: t.SerializeToString() for t in onnx.load(str(first)).graph.initializer} == held
+    model.write_bytes(b"\0" * model.stat().st_size)  # same size, other bytes: the input was rewritten
+    with pytest.raises(lnfuse.InputError, match="changed after lnfuse read it"):
+        result.save(tmp_path / "second.onnx")
+    assert not (tmp_path / "second.onnx").exists()
 
 
 def test_in_place_rewrite_reads_the_weights_before_replacing_the_file(tmp_path: Path):
