@@ -1,7 +1,7 @@
 """Compare lnfuse with other normalization-fusing optimizers, model by model, and print one table.
 
     python benchmarks/make_models.py                  # once: BERT-base and LLaMA-small (optional here)
-    python benchmarks/compare.py [--models /tmp/lnfuse-bench-models] [--json out.json] [--quick]
+    python benchmarks/compare.py [--models /tmp/lnfuse-bench-models] [--json out.json] [--quick] [--markdown]
                                  [--tools lnfuse,lnfuse-onnx,ort-transformers,ort-cpp,onnxscript-rules,onnxscript-ort]
 
 Models: the shipped ``sample_models/*.onnx``; ``bert_base_legacy_op14.onnx`` and ``llama_small_legacy_op14.onnx`` from
@@ -10,7 +10,9 @@ RMSNormalization cases, summed into one row per tool.
 
 Tools (each starts from the file on disk, so its time includes loading it; nothing is saved):
 
-* ``lnfuse``            ``lnfuse.fuse(path)`` (target ort, verification on); ``lnfuse-onnx`` the same with target onnx.
+* ``lnfuse``            ``lnfuse.fuse(path)`` (target ort, verification on).
+* ``lnfuse-onnx``       ``lnfuse.fuse(path, target="onnx", upgrade_opset=True)``: standard ops only, models below
+                        opset 17 (LayerNorm) or 23 (RMSNorm) converted up first, kept only if they still agree.
 * ``ort-transformers``  ``onnxruntime.transformers.optimizer.optimize_model(path, model_type='bert'|'gpt2',
                         num_heads=0, hidden_size=0, opt_level=0)`` (Python fusions only).
 * ``ort-cpp``           ONNX Runtime's C++ graph optimizer offline: a session at ORT_ENABLE_EXTENDED writing
@@ -108,14 +110,16 @@ def _quiet() -> contextlib.ExitStack:
     return stack
 
 
-def run_lnfuse(path: Path, decoder: bool, target: str = "ort") -> onnx.ModelProto:
+def run_lnfuse(path: Path, decoder: bool) -> onnx.ModelProto:
     import lnfuse
 
-    return lnfuse.fuse(str(path), target=target).model
+    return lnfuse.fuse(str(path)).model
 
 
 def run_lnfuse_onnx(path: Path, decoder: bool) -> onnx.ModelProto:
-    return run_lnfuse(path, decoder, target="onnx")
+    import lnfuse
+
+    return lnfuse.fuse(str(path), target="onnx", upgrade_opset=True).model
 
 
 def run_ort_transformers(path: Path, decoder: bool) -> onnx.ModelProto:
@@ -390,6 +394,24 @@ def print_table(rows: list[Outcome]) -> None:
     print("RM left = ReduceMean nodes left; checker = onnx.checker full_check (n/cases for the backend group)")
 
 
+def print_markdown(rows: list[Outcome], tools: list[str]) -> None:
+    """One row per model, one column per tool: the fused norm ops, then the ReduceMean left (the README table)."""
+    models = list(dict.fromkeys(o.model for o in rows))
+    cell = {(o.model, o.tool): o for o in rows}
+    print("| model | " + " | ".join(tools) + " |")
+    print("|---|" + "---|" * len(tools))
+    for model in models:
+        cells = []
+        for tool in tools:
+            o = cell.get((model, tool))
+            if o is None or o.tool_failed:
+                cells.append("error")
+                continue
+            text = f"{fused_text(o.fused)} (RM {o.reduce_mean_left})"
+            cells.append(text + (" **error**" if o.errors else ""))
+        print(f"| {model} | " + " | ".join(cells) + " |")
+
+
 def to_json(rows: list[Outcome]) -> str:
     return json.dumps([{**asdict(o), "fused": dict(o.fused), "new_ops": dict(o.new_ops)} for o in rows], indent=1)
 
@@ -403,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-backend", action="store_true", help="skip the 57 ONNX backend cases")
     parser.add_argument("--json", type=Path, help="also write every row as JSON")
     parser.add_argument("--progress", action="store_true", help="print each run as it finishes (to stdout)")
+    parser.add_argument("--markdown", action="store_true", help="also print a model x tool Markdown table")
     args = parser.parse_args(argv)
     tools = [t for t in args.tools.split(",") if t]
     unknown = set(tools) - set(TOOLS)
@@ -421,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {time.perf_counter() - start:.0f} s; inputs: batch {BATCH}, sequence {SEQUENCE}, ids in 0..1, "
           f"masks of ones; ORT {ort.__version__}, onnx {onnx.__version__}")
     print(competition_note(cpu_start))
+    if args.markdown:
+        print()
+        print_markdown(rows, tools)
     if args.json:
         args.json.write_text(to_json(rows))
     return 0

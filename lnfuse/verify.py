@@ -253,7 +253,8 @@ def _run(regions: list[_Region], opsets: dict[str, int], ir_version: int) -> lis
         model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v)
                                                              for d, v in opsets.items()])
         model.ir_version = ir_version
-        results[fused] = session(model).run(None, feeds)
+        # the regions are tiny: a thread pool per session costs more than it saves
+        results[fused] = session(model, threads=1).run(None, feeds)
     outcomes, index = [], 0
     for region in regions:
         worst, ok, detail = 0.0, True, ""
@@ -287,11 +288,13 @@ def compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float) 
     return err, bool(np.all(diff <= atol + rtol * np.abs(expected[finite])))
 
 
-def session(model: onnx.ModelProto | bytes | str, optimize: bool = False) -> ort.InferenceSession:
-    """An ORT CPU session; graph optimizations off unless asked (so ORT's own fusions do not hide differences)."""
+def session(model: onnx.ModelProto | bytes | str, optimize: bool = False, threads: int = 0) -> ort.InferenceSession:
+    """An ORT CPU session; graph optimizations off unless asked (so ORT's own fusions do not hide differences).
+    ``threads=0`` lets ORT choose."""
     options = ort.SessionOptions()
     options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                         else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     options.log_severity_level = 4
+    options.intra_op_num_threads = threads
     data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
