@@ -17,7 +17,7 @@ from lnfuse import io
 from lnfuse.engine import Options, fuse_model
 from lnfuse.errors import UsageError
 from lnfuse.report import Report
-from lnfuse.rule import ORT_ONLY_OPS_NOTE, Rule
+from lnfuse.rule import Rule
 from lnfuse.rules import all_rules
 from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
 from lnfuse.whole_model import compare_models
@@ -130,8 +130,7 @@ def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
                             "refuse where shapes are unknown")
     fuse_model(loaded.model, options, report)
     report.ops_after = _op_counts(loaded.model)
-    if report.ort_only:
-        report.notes.append(f"the output {ORT_ONLY_OPS_NOTE}; use --target onnx for standard ops only")
+    _note_runtime_ops(loaded.model, report)
     opset_refusals = [u for u in report.unfused if u.check == "opset"]
     if opset_refusals:
         report.notes.append(f"{len(opset_refusals)} candidate(s) need a newer opset: rerun with --upgrade-opset "
@@ -171,6 +170,35 @@ def _quantize(loaded: io.Loaded, report: Report, scheme: str) -> None:
         report.notes.append(f"quantized {count} embedding block(s) to {scheme}; against the float model on random "
                             f"valid ids: worst output difference {max(check['outputs'].values()):.3g}")
         report.ops_after = _op_counts(loaded.model)
+
+
+def _note_runtime_ops(model: ir.Model, report: Report) -> None:
+    """Say which ops only ONNX Runtime runs: its contrib ops (onnx.checker accepts other domains) and its own ops
+    in the default domain where ONNX has none at the model's opset (onnx.checker rejects those)."""
+    opset = model.opset_imports.get("", 1)
+    contrib, default = set(), set()
+    for graph in [model.graph, *model.functions.values()]:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            if node.domain == "com.microsoft":
+                contrib.add(node.op_type)
+            elif node.domain in ("", "ai.onnx") and not _onnx_defines(node.op_type, opset):
+                default.add(node.op_type)
+    report.ort_only = bool(contrib or default)
+    if default:
+        report.notes.append(f"the output uses ONNX Runtime's own {', '.join(sorted(default))} in the default "
+                            f"domain (ONNX has none at opset {opset}): onnx.checker rejects it, ONNX Runtime runs "
+                            "it; use --target onnx for standard ops only")
+    elif contrib:
+        report.notes.append(f"the output uses ONNX Runtime's com.microsoft ops ({', '.join(sorted(contrib))}): "
+                            "only ONNX Runtime runs it; use --target onnx for standard ops only")
+
+
+def _onnx_defines(op_type: str, opset: int) -> bool:
+    try:
+        onnx.defs.get_schema(op_type, opset, "")
+        return True
+    except onnx.defs.SchemaError:
+        return False
 
 
 def _op_counts(model: ir.Model) -> dict[str, int]:

@@ -234,8 +234,6 @@ def _record_fused(c: _Candidate, scope: Scope, error: float | None, report: Repo
         rule=c.rule.name, op_type=rep.op_type, graph=scope.path, nodes=[n.name for n in rep.region],
         attributes=rep.attributes, max_error=None if error is None or math.isnan(error) else error,
         outputs=[old.name for old in rep.outputs], notes=c.notes))
-    if rep.ort_only:
-        report.ort_only = True
 
 
 def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Report) -> None:

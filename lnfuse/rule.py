@@ -20,7 +20,6 @@ from lnfuse.pattern import Match, Pattern
 #: meta key on a new node's output that stays an absent optional output ("" in the saved model)
 ABSENT = "lnfuse.absent"
 
-ORT_ONLY_OPS_NOTE = "uses ONNX Runtime-only ops: onnx.checker will reject it, ONNX Runtime loads it"
 
 
 class Refusal(Exception):
@@ -46,7 +45,6 @@ class Replacement:
     outputs: dict[ir.Value, ir.Value]
     region: list[ir.Node]
     attributes: dict[str, object] = field(default_factory=dict)
-    ort_only: bool = False
     opset_imports: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 

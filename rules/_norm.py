@@ -184,10 +184,10 @@ def expose(ctx: GraphContext, fused_output: ir.Value, old: ir.Value, stash: ir.D
 
 
 def finish(op_type: str, domain: str, outputs: dict[ir.Value, ir.Value], region: list[ir.Node], attributes: dict,
-           ort_only: bool, opsets: dict[str, int] | None = None) -> Replacement:
+           opsets: dict[str, int] | None = None) -> Replacement:
     """The replacement for ``outputs``: its nodes are every new (not yet placed) node they are computed from."""
     return Replacement(op_type=op_type, domain=domain, nodes=new_nodes(outputs.values()), outputs=outputs,
-                       region=region, attributes=attributes, ort_only=ort_only, opset_imports=opsets or {})
+                       region=region, attributes=attributes, opset_imports=opsets or {})
 
 
 def new_nodes(values) -> list[ir.Node]:

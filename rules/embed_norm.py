@@ -127,7 +127,7 @@ class EmbedNorm(Rule):
         for old, new in outputs.items():
             new.type, new.shape = old.type, old.shape
         return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
-                           region=list(m.nodes), attributes={"epsilon": epsilon}, ort_only=True,
+                           region=list(m.nodes), attributes={"epsilon": epsilon},
                            opset_imports={"com.microsoft": 1})
 
 

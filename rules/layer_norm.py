@@ -86,7 +86,7 @@ class LayerNorm(Rule):
         return first_placement(m, lambda b: self._write(m, ctx, b, k, eps))
 
     def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float) -> Replacement:
-        op_type, ort_only = _choose_op(ctx, b.dtype)
+        op_type = _choose_op(ctx, b.dtype)
         check_epsilon_fits(eps, b.dtype)
         region = list(b.region)
         x, y = b.x, b.y
@@ -120,16 +120,14 @@ class LayerNorm(Rule):
             for old in olds:
                 stat = _as_2d(ctx, fused.outputs[index]) if flattened else fused.outputs[index]
                 outputs[old] = expose(ctx, stat, old, stash)
-        return finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps}, ort_only)
+        return finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
 
 
-def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> tuple[str, bool]:
+def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> str:
     if dtype not in FLOATS:
         raise Refusal("dtype", f"LayerNormalization does not take {dtype}")
-    if ctx.opset >= 17:
-        return "LayerNormalization", False
-    if ctx.target == "ort":
-        return "LayerNormalization", True
+    if ctx.opset >= 17 or ctx.target == "ort":
+        return "LayerNormalization"  # below opset 17: ONNX Runtime's own, in the default domain
     raise Refusal("opset", f"LayerNormalization needs opset 17 and the model has opset {ctx.opset}: use "
                   f"--upgrade-opset, or --target ort for ONNX Runtime's own LayerNormalization")
 

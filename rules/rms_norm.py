@@ -50,7 +50,7 @@ class RmsNorm(Rule):
         return first_placement(m, lambda b: self._write(m, ctx, b, k, eps))
 
     def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float) -> Replacement:
-        op_type, ort_only = _choose_op(ctx, b.dtype)
+        op_type = _choose_op(ctx, b.dtype)
         check_epsilon_fits(eps, b.dtype)
         region = list(b.region)
         gamma, _ = params(m, ctx, b, k)
@@ -70,16 +70,16 @@ class RmsNorm(Rule):
         for old in exposed_inv:
             fused.outputs[1].type = ir.TensorType(ir.DataType.FLOAT)
             outputs[old] = expose(ctx, fused.outputs[1], old, ir.DataType.FLOAT)
-        return finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps}, ort_only)
+        return finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
 
 
-def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> tuple[str, bool]:
+def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> str:
     if dtype not in FLOATS:
         raise Refusal("dtype", f"RMS normalization does not take {dtype}")
     if ctx.opset >= 23 and dtype != ir.DataType.BFLOAT16:
-        return "RMSNormalization", False
+        return "RMSNormalization"
     if ctx.target == "ort":
-        return "SimplifiedLayerNormalization", True
+        return "SimplifiedLayerNormalization"
     if ctx.opset >= 23:
         raise Refusal("dtype", "RMSNormalization-23 has no bfloat16 kernel in ONNX Runtime's CPU provider; "
                       "use --target ort for SimplifiedLayerNormalization")

@@ -99,7 +99,7 @@ class SkipNorm(Rule):
             new.type, new.shape = old.type, old.shape
         _trim_unused_outputs(fused, set(outputs.values()))
         return Replacement(op_type=fused_type, domain="com.microsoft", nodes=[fused], outputs=outputs,
-                           region=region, attributes={"epsilon": float(epsilon)}, ort_only=True,
+                           region=region, attributes={"epsilon": float(epsilon)},
                            opset_imports={"com.microsoft": 1})
 
 
