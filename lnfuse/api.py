@@ -178,10 +178,11 @@ def _note_runtime_ops(model: ir.Model, report: Report) -> None:
     opset = model.opset_imports.get("", 1)
     contrib, default = set(), set()
     for graph in [model.graph, *model.functions.values()]:
+        graph_opset = graph.opset_imports.get("", opset) if isinstance(graph, ir.Function) else opset
         for node in ir.traversal.RecursiveGraphIterator(graph):
             if node.domain == "com.microsoft":
                 contrib.add(node.op_type)
-            elif node.domain in ("", "ai.onnx") and not _onnx_defines(node.op_type, opset):
+            elif node.domain in ("", "ai.onnx") and not _onnx_defines(node.op_type, graph_opset):
                 default.add(node.op_type)
     report.ort_only = bool(contrib or default)
     if default:

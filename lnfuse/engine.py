@@ -297,6 +297,7 @@ def apply(graph: ir.Graph | ir.Function, rep: Replacement, position: dict[ir.Nod
     if any(position.get(reader, -1) < position[last] for new in rep.outputs.values()
            for reader, _ in new.uses() if reader in position):
         host.sort()
+        position.update({node: i for i, node in enumerate(host)})
 
 
 def cleanup(graph: ir.Graph | ir.Function, kept: list[_Candidate]) -> None:

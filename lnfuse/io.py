@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from onnx.external_data_helper import load_external_data_for_tensor
 
 from lnfuse import wire
-from lnfuse.weights import InlineWeight, SourceWeights, attach, placeholders
+from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, placeholders
 from lnfuse.errors import InputError, OutputError
 from lnfuse.shapes import infer_function_types, infer_shapes
 
@@ -41,10 +41,10 @@ class Loaded:
     source: SourceWeights | None = None
 
 
-def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, dict[str, tuple[int, int]]]:
+def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | None]:
     """The model without its data: external data stays external, and large inline weights become placeholders that
-    point into the model file (name -> span of their TensorProto in the file is returned with it). Or
-    ``InputError`` saying what is wrong with the file."""
+    point into the model file (where they lie is returned with it). Or ``InputError`` saying what is wrong with the
+    file."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file; check the path")
@@ -53,13 +53,13 @@ def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, dict[str, tupl
     if p.stat().st_size == 0:
         raise InputError(f"{p}: the file is empty; re-export the model")
     try:
-        proto, spans = _parse(p)
+        proto, weights = _parse(p)
     except (DecodeError, RuntimeError, ValueError, OSError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise InputError(f"{p}: not a readable ONNX model (truncated or not ONNX: {first}); re-export it") from None
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise InputError(f"{p}: not an ONNX model (no graph or IR version); re-export it")
-    return proto, spans
+    return proto, weights
 
 
 #: inline weights of at least this many bytes stay in the file until a rule needs their values
@@ -69,22 +69,21 @@ _LAZY_BYTES = 1 << 12
 _TEXT_SUFFIXES = (".json", ".onnxtxt", ".textproto", ".prototxt", ".pbtxt")
 
 
-def _parse(path: Path) -> tuple[onnx.ModelProto, dict[str, tuple[int, int]]]:
+def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
     """Parse the model's structure from the page cache, leaving its large inline weights in the file."""
     if path.suffix.lower() in _TEXT_SUFFIXES:
-        return onnx.load(str(path), load_external_data=False), {}
+        return onnx.load(str(path), load_external_data=False), None
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        identity = wire.FileIdentity.of_open(path, file.fileno())
         try:
             structure, lazy = wire.split_weights(mapped, _LAZY_BYTES)
             proto = onnx.ModelProto.FromString(structure)
-            weights, spans = placeholders(lazy, path)
+            tensors, weights = placeholders(lazy, mapped, identity)
         except (ValueError, IndexError, DecodeError):
             # not splittable (truncated, or not what it claims): let protobuf say what is wrong, or read it whole
-            proto, spans, weights = onnx.ModelProto.FromString(memoryview(mapped)), {}, []
-    if weights and not proto.HasField("graph"):
-        raise ValueError("weights outside of a graph")
-    proto.graph.initializer.extend(weights)
-    return proto, spans
+            return onnx.ModelProto.FromString(memoryview(mapped)), None
+    proto.graph.initializer.extend(tensors)
+    return proto, weights if weights.data else None
 
 
 def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None) -> onnx.ModelProto:
@@ -225,16 +224,16 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
         # work on a copy: the caller's model is never modified; external tensors keep pointing at their files
         base_dir = next((Path(t.base_dir) for t in _external_ir_tensors(source)), None)
         source = ir.serde.serialize_model(source)
-    spans: dict[str, tuple[int, int]] = {}
+    lazy: FileWeights | None = None
     if isinstance(source, onnx.ModelProto):
         proto, path, where = source, None, "model"
         proto = onnx.ModelProto.FromString(proto.SerializeToString())
     else:
         path = Path(source)
-        (proto, spans), where = read_proto(path), str(path)
+        (proto, lazy), where = read_proto(path), str(path)
     skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
-    has_external = any(t.name not in spans for t in _external_tensors(proto))
+    has_external = any(lazy is None or t.name not in lazy.data for t in _external_tensors(proto))
     inferred, error = infer_shapes(skeleton)
     # the inferred types go back into the full model: the node list carries the subgraphs' value_info too
     proto.graph.ClearField("value_info")
@@ -247,8 +246,7 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     infer_function_types(model)
     if path is not None or base_dir is not None:
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
-    weights = attach(model, spans, wire.FileIdentity.of(path)) if spans else None
-    return Loaded(model, path, declared, has_external, error, weights)
+    return Loaded(model, path, declared, has_external, error, attach(model, lazy) if lazy else None)
 
 
 def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:
@@ -369,7 +367,11 @@ def _write_streamed(model: ir.Model, path: Path, source: SourceWeights | None) -
                 file.write(view[offset:offset + length])
                 continue
             tensor = value.const_value
-            proto = tensor.raw if isinstance(tensor, ir.serde.TensorProtoTensor) else ir.serde.serialize_tensor(tensor)
+            if isinstance(tensor, ir.serde.TensorProtoTensor):
+                proto = tensor.raw  # _streamable checked that its name is the value's
+            else:
+                proto = ir.serde.serialize_tensor(tensor)
+                proto.name = value.name  # as onnx_ir's graph serializer names initializers
             data = proto.SerializeToString()
             file.write(wire.initializer_header(len(data)))
             file.write(data)

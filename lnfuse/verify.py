@@ -101,8 +101,7 @@ class _Region:
         produced_old = {v for n in old_nodes for v in n.outputs}
         reads = _reads(old_nodes, produced_old) + new_reads
         # lookup tables are never read to verify: the region computes the same for any table contents
-        tables = {n.inputs[0] for n in old_nodes if n.op_type == "Gather"}
-        tables |= {n.inputs[0] for n in old_nodes if n.op_type == "DequantizeLinear" and n.outputs[0] in tables}
+        tables = _tables(old_nodes)
         self.inputs, self.constants, seen = [], [], set()
         for value in reads:
             if value in seen:
@@ -135,7 +134,7 @@ class _Region:
                     key = str(d) if d is not None and d.value is not None else f"?{len(dims)}"
                     shape.append(dims.setdefault(key, _SIZES[len(dims) % len(_SIZES)]))
             if value in self.tables and shape:
-                feeds[self.prefix + value.name] = _random_table(rng, value.dtype, shape)
+                feeds[self.prefix + value.name] = _random_table(rng, value.dtype, shape, self.tables[value])
             else:
                 feeds[self.prefix + value.name] = _random(rng, value.dtype, shape, self.bounds.get(value))
         return feeds
@@ -222,17 +221,35 @@ def _random(rng: np.random.Generator, dtype: ir.DataType, shape: list[int], boun
     return np.zeros(shape, dtype=dtype.numpy())
 
 
-def _random_table(rng: np.random.Generator, dtype: ir.DataType, shape: list[int]) -> np.ndarray:
-    """Random rows where the ids point, zeros elsewhere (np.zeros does not touch memory until it is read).
-    Quantized tables get random integers over their whole range."""
-    rows = min(shape[0], _TABLE_ROWS)
+def _tables(nodes: Sequence[ir.Node]) -> dict[ir.Value, set[int]]:
+    """The lookup tables the region reads (a Gather's data, or the quantized tensor a DequantizeLinear turns into
+    one), each with the rows that constant ids pick (fed ids are drawn below ``_TABLE_ROWS``)."""
+    tables: dict[ir.Value, set[int]] = {}
+    for node in nodes:
+        if node.op_type != "Gather":
+            continue
+        rows = tables.setdefault(node.inputs[0], set())
+        ids = static_value(node.inputs[1]) if is_static(node.inputs[1]) else None
+        if ids is not None and ids.size <= _LARGE and attr_value(node, "axis", 0) == 0:
+            rows.update(int(i) for i in ids.reshape(-1))
+    for node in nodes:
+        if node.op_type == "DequantizeLinear" and node.outputs[0] in tables:
+            tables.setdefault(node.inputs[0], set()).update(tables[node.outputs[0]])
+    return tables
+
+
+def _random_table(rng: np.random.Generator, dtype: ir.DataType, shape: list[int], picked: set[int]) -> np.ndarray:
+    """Random rows where ids can point (the first ``_TABLE_ROWS``, and the rows constant ids pick), zeros elsewhere
+    (np.zeros does not touch memory until it is read). Float rows follow ``_random``'s pattern of small-variance
+    and offset rows; quantized tables get random integers over their whole range."""
+    rows = sorted(set(range(min(shape[0], _TABLE_ROWS))) | {r % shape[0] for r in picked if -shape[0] <= r < shape[0]})
     if dtype.is_floating_point():
         table = np.zeros(shape, dtype=np.float64 if dtype == ir.DataType.DOUBLE else np.float32)
-        table[:rows] = rng.standard_normal([rows] + shape[1:])
+        table[rows] = _random(rng, dtype, [len(rows)] + shape[1:])
     else:
         table = np.zeros(shape, dtype=dtype.numpy())
         info = np.iinfo(table.dtype)
-        table[:rows] = rng.integers(info.min, info.max, size=[rows] + shape[1:], endpoint=True)
+        table[rows] = rng.integers(info.min, info.max, size=[len(rows)] + shape[1:], endpoint=True)
     return table
 
 

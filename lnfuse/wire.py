@@ -129,19 +129,19 @@ class FileIdentity:
     """A file as it was when it was read: its bytes are reused only while this still matches."""
 
     path: Path
-    identity: tuple[int, int, int, int]
+    identity: tuple[int, int, int, int, int]
 
     @staticmethod
-    def of(path: Path) -> FileIdentity:
-        return FileIdentity(path, _identity(path))
+    def of_open(path: Path, fd: int) -> FileIdentity:
+        """The identity of the file open as ``fd`` (taken before reading it, so a later rewrite shows)."""
+        return FileIdentity(path, _identity(os.fstat(fd)))
 
     def unchanged(self) -> bool:
         try:
-            return _identity(self.path) == self.identity
+            return _identity(os.stat(self.path)) == self.identity
         except OSError:
             return False
 
 
-def _identity(path: Path) -> tuple[int, int, int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns

@@ -219,6 +219,17 @@ def test_verification_stops_a_rule_that_would_drop_position_ids(monkeypatch):
     assert refused and all(u.check == "verify" for u in refused), result.report.unfused
 
 
+@pytest.mark.parametrize("positions", ["slice", "roberta"])
+def test_verification_stops_a_wrong_epsilon_on_a_large_vocabulary(monkeypatch, positions):
+    """The random tables of a 9,000-row vocabulary keep the small-variance rows where a wrong epsilon shows."""
+    from lnfuse.rules import embed_norm
+    real = embed_norm.attr_value
+    monkeypatch.setattr(embed_norm, "attr_value",
+                        lambda node, name, default=None: 1e-3 if name == "epsilon" else real(node, name, default))
+    result = lnfuse.fuse(_bert(positions=positions, vocab=9000), only=["embed_norm"])
+    assert not result.report.fused and [u.check for u in result.report.unfused] == ["verify"]
+
+
 @pytest.mark.parametrize("scheme", ["uint8", "int8"])
 def test_quantize_embeddings_on_request(scheme):
     model = _bert()
