@@ -15,7 +15,9 @@ from pathlib import Path
 #: field numbers in onnx.proto
 MODEL_GRAPH = 7
 GRAPH_INITIALIZER = 5
-TENSOR_SEGMENT, TENSOR_RAW_DATA, TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION = 3, 9, 13, 14
+TENSOR_RAW_DATA = 9
+#: TensorProto fields that make a tensor other than plain raw bytes: segment, the typed data fields, external data
+_NOT_PLAIN = frozenset({3, 4, 5, 6, 7, 10, 11, 13, 14})
 
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 
@@ -94,13 +96,14 @@ def split_weights(buf, min_bytes: int) -> tuple[bytes, list[LazyInitializer]]:
     bytes as it was, so parsing them gives the model minus the listed weights.
     """
     model, lazy = bytearray(), []
-    for number, _, field_start, payload, end in _fields(buf, 0, len(buf)):
-        if number != MODEL_GRAPH:
+    for number, wire, field_start, payload, end in _fields(buf, 0, len(buf)):
+        if number != MODEL_GRAPH or wire != _LENGTH_DELIMITED:
             model += buf[field_start:end]
             continue
         graph = bytearray()
-        for inner, _, g_start, g_payload, g_end in _fields(buf, payload, end):
-            weight = _plain_weight(buf, g_payload, g_end, min_bytes) if inner == GRAPH_INITIALIZER else None
+        for inner, inner_wire, g_start, g_payload, g_end in _fields(buf, payload, end):
+            is_tensor = inner == GRAPH_INITIALIZER and inner_wire == _LENGTH_DELIMITED
+            weight = _plain_weight(buf, g_payload, g_end, min_bytes) if is_tensor else None
             if weight is None:
                 graph += buf[g_start:g_end]
             else:
@@ -112,10 +115,10 @@ def split_weights(buf, min_bytes: int) -> tuple[bytes, list[LazyInitializer]]:
 
 def _plain_weight(buf, start: int, end: int, min_bytes: int) -> tuple[bytes, tuple[int, int]] | None:
     header, data = bytearray(), None
-    for number, _, f_start, payload, f_end in _fields(buf, start, end):
-        if number == TENSOR_RAW_DATA:
+    for number, wire, f_start, payload, f_end in _fields(buf, start, end):
+        if number == TENSOR_RAW_DATA and wire == _LENGTH_DELIMITED:
             data = (payload, f_end - payload)
-        elif number in (TENSOR_SEGMENT, TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION):
+        elif number in _NOT_PLAIN:
             return None
         else:
             header += buf[f_start:f_end]
