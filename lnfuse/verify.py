@@ -313,8 +313,5 @@ def session(model: onnx.ModelProto | bytes | str, optimize: bool = False, thread
                                         else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     options.log_severity_level = 4
     options.intra_op_num_threads = threads
-    if threads == 1:
-        # tiny regions: malloc'd buffers are reused; an arena of fresh pages costs more than the run
-        options.enable_cpu_mem_arena = False
     data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
