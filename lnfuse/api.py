@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import onnx
@@ -90,22 +92,37 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
     options = Options(target=target, verify=verify, rules=select_rules(only, skip),
                       progress=stage.part(0.1, 0.85) if progress else None)
     stage(0.0, "reading and checking the model")
-    loaded = io.load(model)
-    source = str(loaded.path) if loaded.path is not None else "<model>"
-    original = ir.serde.serialize_model(loaded.model) if (verify_model or upgrade_opset) else None
-    report = _run(loaded, options, source)
-    if upgrade_opset and target == "onnx" and any(u.check == "opset" for u in report.unfused):
-        loaded, report = _upgraded(loaded, options, source, report, original, inputs)
-    if quantize_embeddings:
-        _quantize(loaded, report, quantize_embeddings)
-    if verify_model:
-        stage(0.85, "running the whole original and fused models")
-        report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
-                                            base_dir=loaded.path.parent if loaded.path else None)
-    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+    with _cycle_collection_paused():
+        loaded = io.load(model)
+        source = str(loaded.path) if loaded.path is not None else "<model>"
+        original = ir.serde.serialize_model(loaded.model) if (verify_model or upgrade_opset) else None
+        report = _run(loaded, options, source)
+        if upgrade_opset and target == "onnx" and any(u.check == "opset" for u in report.unfused):
+            loaded, report = _upgraded(loaded, options, source, report, original, inputs)
+        if quantize_embeddings:
+            _quantize(loaded, report, quantize_embeddings)
+        if verify_model:
+            stage(0.85, "running the whole original and fused models")
+            report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
+                                                base_dir=loaded.path.parent if loaded.path else None)
+        io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
     report.seconds = time.perf_counter() - start
     stage(1.0, "")
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)
+
+
+@contextlib.contextmanager
+def _cycle_collection_paused() -> Iterator[None]:
+    """lnfuse makes and drops many small linked objects (graph nodes, matches, protos). Each time Python's cycle
+    collector triggers, it walks every live object of the process: in an export script that holds a framework, far
+    more than lnfuse's own. It is paused while lnfuse works; what lnfuse dropped is collected on the next pass."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Stages:
