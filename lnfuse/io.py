@@ -352,19 +352,16 @@ def _write_streamed(model: ir.Model, path: Path, source: SourceWeights | None) -
         registry.clear()
         registry.update(every)
     with contextlib.ExitStack() as stack:
-        view = None
+        original = None
         if source is not None and source.file.unchanged():
             original = stack.enter_context(open(source.file.path, "rb"))
-            mapped = stack.enter_context(mmap.mmap(original.fileno(), 0, access=mmap.ACCESS_READ))
-            view = stack.enter_context(memoryview(mapped))
-        file = stack.enter_context(open(path, "wb"))
-        file.write(head)
+        out = stack.enter_context(open(path, "wb", buffering=0))
+        _write_all(out, head)
         for value in streamed:
-            span = source.span_of(value) if view is not None else None
+            span = source.span_of(value) if original is not None else None
             if span is not None:
-                offset, length = span
-                file.write(wire.initializer_header(length))
-                file.write(view[offset:offset + length])
+                _write_all(out, wire.initializer_header(span[1]))
+                _copy_range(original, out, *span)
                 continue
             tensor = value.const_value
             if isinstance(tensor, ir.serde.TensorProtoTensor):
@@ -373,8 +370,34 @@ def _write_streamed(model: ir.Model, path: Path, source: SourceWeights | None) -
                 proto = ir.serde.serialize_tensor(tensor)
                 proto.name = value.name  # as onnx_ir's graph serializer names initializers
             data = proto.SerializeToString()
-            file.write(wire.initializer_header(len(data)))
-            file.write(data)
+            _write_all(out, wire.initializer_header(len(data)))
+            _write_all(out, data)
+
+
+def _write_all(file, data: bytes) -> None:
+    """An unbuffered file may write less than it is given."""
+    view = memoryview(data)
+    while view:
+        view = view[file.write(view):]
+
+
+def _copy_range(source, target, offset: int, length: int) -> None:
+    """Copy bytes from one file to the other inside the kernel (nothing is mapped or copied through this process);
+    read and write where the system cannot."""
+    while length:
+        try:
+            copied = os.copy_file_range(source.fileno(), target.fileno(), length, offset)
+        except (AttributeError, OSError):
+            copied = 0
+        if not copied:
+            source.seek(offset)
+            chunk = source.read(min(length, 1 << 24))
+            if not chunk:
+                raise InputError(f"{source.name}: the file got shorter after lnfuse read it; run lnfuse again")
+            _write_all(target, chunk)
+            copied = len(chunk)
+        offset += copied
+        length -= copied
 
 
 #: where onnx_ir keeps a value's quantization annotation (written with the graph, not with the tensor)

@@ -168,3 +168,14 @@ def test_a_rewrite_of_the_input_while_it_is_read_is_caught(tmp_path: Path, monke
     with pytest.raises(lnfuse.InputError, match="changed after lnfuse read it"):
         lnfuse.fuse(model, verify=False).save(tmp_path / "o.onnx")
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_weights_are_copied_where_the_kernel_cannot_copy_files(tmp_path: Path, monkeypatch):
+    def unsupported(*args, **kwargs):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", unsupported)
+    result = lnfuse.fuse(SAMPLES / "gpt2_tiny_legacy_op14.onnx")
+    held = {t.name: t.SerializeToString() for t in result.model.graph.initializer}
+    result.save(tmp_path / "o.onnx")
+    assert {t.name: t.SerializeToString() for t in onnx.load(str(tmp_path / "o.onnx")).graph.initializer} == held
