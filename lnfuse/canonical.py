@@ -2,6 +2,11 @@
 
 - ``Cast(to=T)`` of a tensor that already is T: readers of the Cast read its input (torch's legacy exporter keeps
   ``.to(float32)`` on float32 tensors, so a norm and the residual reading the "same" tensor see two values).
+- ``Mul(x, 1)`` with a one-element 1 that does not raise x's rank: x·1 is x, bit for bit (BART and others scale the
+  word embedding by ``embed_scale``, which is 1.0 unless the config asks for sqrt(d_model)).
+- ``Shape`` of a table lookup ``Gather(table, ids)``: the ids' shape followed by the table's trailing dims. Exporters
+  take the sequence length from the looked-up embeddings (``inputs_embeds.shape[1]``), which ties the position ids
+  to the lookup they are added to; reading the ids' shape instead unties them.
 - ``DequantizeLinear(QuantizeLinear(v, s, z), s, z)`` where v is already on that grid (it was dequantized with the
   same scale and zero point, then only moved by Gather/Reshape/...): requantizing gives back v bit for bit. ORT's
   QDQ quantizer writes these pairs after embedding lookups.
@@ -20,12 +25,22 @@ _MOVES = frozenset({"Gather", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "S
 
 
 def canonicalize(graph: ir.Graph | ir.Function) -> list[str]:
-    """Remove no-op Casts and identity requantizations; returns what was removed, for the report."""
+    """Remove no-op Casts, multiplications by 1, shapes of lookups and identity requantizations; returns what was
+    removed, for the report."""
     host = graph.graph if isinstance(graph, ir.Function) else graph
     removed = []
     casts = sum(_bypass(host, node) for node in list(host) if _is_noop_cast(node))
     if casts:
         removed.append(f"{casts} Cast(s) to the dtype their input already has")
+    ones = 0
+    for node in list(host):
+        source = _times_one(node)
+        ones += source is not None and _bypass(host, node, source)
+    if ones:
+        removed.append(f"{ones} Mul(s) by 1")
+    shapes = sum(_shape_from_ids(host, node) for node in list(host) if node.op_type == "Shape" and _is_onnx(node))
+    if shapes:
+        removed.append(f"{shapes} Shape(s) of embedding lookups (now read from the ids)")
     pairs = sum(_bypass(host, node, node.inputs[0].producer().inputs[0])
                 for node in list(host) if _is_identity_requantization(node))
     if pairs:
@@ -48,6 +63,89 @@ def _is_noop_cast(node: ir.Node) -> bool:
     to = node.attributes.get("to")
     source = node.inputs[0]
     return to is not None and source.type is not None and source.dtype == ir.DataType(to.value)
+
+
+def _times_one(node: ir.Node) -> ir.Value | None:
+    """x when ``node`` is Mul(x, 1) or Mul(1, x) and the product has x's shape and dtype."""
+    if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2 or None in node.inputs:
+        return None
+    for x, one in (node.inputs, reversed(node.inputs)):
+        array = static_value(one) if one.shape is not None and one.shape.is_static() else None
+        if array is not None and array.size == 1 and array.reshape(-1)[0] == 1 and x.shape is not None \
+                and array.ndim <= len(x.shape) and x.type is not None and x.dtype == one.dtype:
+            return x
+    return None
+
+
+def _is_onnx(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx")
+
+
+def _shape_from_ids(host: ir.Graph, shape: ir.Node) -> bool:
+    found = _lookup_shape(shape.inputs[0]) if shape.inputs and shape.inputs[0] is not None else None
+    if found is None:
+        return False
+    ids, trailing = found
+    start, end = (shape.attributes.get(k) for k in ("start", "end"))
+    if not trailing:
+        new = [ir.node("Shape", [ids], {a.name: a.value for a in (start, end) if a is not None})]
+    else:
+        def constant(values):
+            return ir.node("Constant", [], {"value": ir.tensor(np.array(values, dtype=np.int64))})
+        pieces = [ir.node("Shape", [ids]), constant(trailing)]
+        new = pieces + [ir.node("Concat", [pieces[0].outputs[0], pieces[1].outputs[0]], {"axis": 0})]
+        if start is not None or end is not None:
+            bounds = [constant([start.value if start is not None else 0]),
+                      constant([end.value if end is not None else np.iinfo(np.int64).max])]
+            new += bounds + [ir.node("Slice", [new[-1].outputs[0], bounds[0].outputs[0], bounds[1].outputs[0]])]
+    for i, node in enumerate(new):
+        node.name = f"{shape.name}/from_ids_{i}"
+    host.insert_before(shape, new)
+    old, result = shape.outputs[0], new[-1].outputs[0]
+    result.type, result.shape = old.type, old.shape
+    if old.is_graph_output():
+        result.name, old.name = old.name, f"{old.name}__replaced"
+    old.replace_all_uses_with(result, replace_graph_outputs=True)
+    host.remove(shape, safe=True)
+    return True
+
+
+def _lookup_shape(value: ir.Value) -> tuple[ir.Value, list[int]] | None:
+    """(ids, trailing dims) when ``value`` is ``Gather(table, ids)`` along axis 0 of a stored table, possibly followed
+    by Gathers of one constant index along a trailing axis (BART reads ``inputs_embeds[:, :, -1]``): its shape is
+    ids.shape + trailing."""
+    node = value.producer()
+    if node is None or node.op_type != "Gather" or not _is_onnx(node) or None in node.inputs:
+        return None
+    data, index = node.inputs
+    axis = node.attributes["axis"].value if "axis" in node.attributes else 0
+    if axis == 0:
+        table = _stored_shape(data)
+        return None if table is None or not table else (index, table[1:])
+    inner = _lookup_shape(data)
+    if inner is None or inner[0].shape is None:
+        return None
+    ids, trailing = inner
+    rank, ids_rank = len(inner[0].shape) + len(trailing), len(inner[0].shape)
+    picked = static_value(index) if index.shape is not None and len(index.shape) == 0 else None
+    if picked is None or not -rank <= axis < rank or axis % rank < ids_rank:
+        return None
+    k = axis % rank - ids_rank
+    if not -trailing[k] <= int(picked) < trailing[k]:
+        return None
+    return ids, trailing[:k] + trailing[k + 1:]
+
+
+def _stored_shape(table: ir.Value) -> list[int] | None:
+    """The shape of a stored tensor (not an overridable graph input), through a dequantization or a Cast."""
+    while table.const_value is None:
+        node = table.producer()
+        if node is None or node.op_type not in ("DequantizeLinear", "Cast", "Identity") or not _is_onnx(node):
+            return None
+        table = node.inputs[0]
+    if table.is_graph_input():
+        return None
+    return list(table.const_value.shape)
 
 
 def _is_identity_requantization(node: ir.Node) -> bool:

@@ -64,8 +64,8 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
     every_scope = list(scopes(model))
     steps, step = max(1, len(every_scope) * len(options.rules)), 0
     for scope in every_scope:
-        for what in canonicalize(scope.graph):
-            report.notes.append(f"{scope.path}: removed {what}")
+        removed = canonicalize(scope.graph)
+        report.notes.extend(f"{scope.path}: removed {what}" for what in removed)
         ctx = GraphContext(scope.graph, scope.opset, options.target, scope.path, names)
         refusals: list[tuple[Rule, _Pass]] = []
         for rule in options.rules:
@@ -82,6 +82,9 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
             refusals.append((rule, found))
             if kept:
                 cleanup(scope.graph, kept)
+                removed = []
+        if removed:  # nothing fused here, but what the removals left unread goes too
+            cleanup(scope.graph, [])
         _record_refusals(scope, refusals, report)
     for domain, version in opsets_used.items():
         model.opset_imports.setdefault(domain, version)

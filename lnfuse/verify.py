@@ -37,6 +37,10 @@ _LARGE = 1 << 16
 #: lookup ids are drawn from the first rows of a table; only those rows get random values, so verifying a
 #: 30,000-row embedding costs a few kilobytes instead of a full random table per region
 _TABLE_ROWS = 64
+#: ops that carry lookup ids through unchanged in value
+_ID_MOVES = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"})
+#: nodes a region may borrow from its graph to compute what both of its sides read
+_MAX_PRELUDE = 48
 
 
 @dataclass
@@ -87,19 +91,14 @@ class _Region:
     def __init__(self, rep: Replacement, prefix: str, seed: int, position: Mapping[ir.Node, float]):
         self.prefix = prefix
         self.rep = rep
-        produced_new = {v for n in rep.nodes for v in n.outputs}
-        new_reads = _reads(rep.nodes, produced_new)
-        region = set(rep.region)
-        old_reads = _reads(rep.region, {v for n in region for v in n.outputs})
-        # The old side may read values computed outside the region from the new side's inputs (Flatten(X),
-        # Shape(X)): recompute them there, so both sides see the same data.
-        context: list[ir.Node] = []
-        for value in old_reads:
-            if value not in new_reads:
-                _derive(value, set(new_reads), context)
-        old_nodes = sorted(context + list(rep.region), key=lambda n: position.get(n, len(position)))
-        produced_old = {v for n in old_nodes for v in n.outputs}
-        reads = _reads(old_nodes, produced_old) + new_reads
+        new_reads = _reads(rep.nodes, {v for n in rep.nodes for v in n.outputs})
+        old_reads = _reads(rep.region, {v for n in rep.region for v in n.outputs})
+        prelude, context = _shared_context(old_reads, new_reads, {v for n in rep.region for v in n.outputs})
+        order = lambda n: position.get(n, len(position))  # noqa: E731
+        old_nodes = sorted(prelude + context + list(rep.region), key=order)
+        self.new_nodes = sorted(prelude, key=order) + list(rep.nodes)
+        reads = _reads(old_nodes, {v for n in old_nodes for v in n.outputs}) + \
+            _reads(self.new_nodes, {v for n in self.new_nodes for v in n.outputs})
         # lookup tables are never read to verify: the region computes the same for any table contents
         tables = _tables(old_nodes)
         self.inputs, self.constants, seen = [], [], set()
@@ -115,9 +114,7 @@ class _Region:
         self.old_nodes = old_nodes
         self.tables = tables
         # integer inputs used as Gather indices get valid indices for their table
-        self.bounds = {n.inputs[1]: min(n.inputs[0].shape[0], _TABLE_ROWS) for n in old_nodes
-                       if n.op_type == "Gather" and n.inputs[0].shape is not None
-                       and isinstance(n.inputs[0].shape[0], int) and attr_value(n, "axis", 0) == 0}
+        self.bounds = _id_bounds(old_nodes)
         self.feeds = self._feeds(np.random.default_rng(seed))
 
     def _feeds(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -140,7 +137,7 @@ class _Region:
         return feeds
 
     def graph(self, fused: bool) -> tuple[list, list, list, list]:
-        nodes = self.rep.nodes if fused else self.old_nodes
+        nodes = self.new_nodes if fused else self.old_nodes
         pairs = [(new if fused else old) for old, new in self.pairs]
         node_protos, inputs, outputs, inits = [], [], [], []
         for value in self.inputs:
@@ -178,19 +175,61 @@ class _Region:
         return out
 
 
-def _derive(value: ir.Value, known: set, context: list[ir.Node], depth: int = 0) -> bool:
-    """Add to ``context`` the nodes computing ``value`` from ``known`` values and constants, if few enough."""
+def _shared_context(old_reads: list[ir.Value], new_reads: list[ir.Value],
+                    produced_old: set[ir.Value]) -> tuple[list[ir.Node], list[ir.Node]]:
+    """(prelude for both sides, extra nodes for the old side) so that both sides compute from the same inputs.
+
+    The old side may read values computed outside the region from the new side's inputs (Flatten(X), Shape(X)):
+    those are recomputed on the old side. When they come from further up (positions from Shape(input_ids) while
+    the lookup reads view(input_ids)), both sides start from the graph inputs they share, through a prelude.
+    Random values for such an intermediate would break what the rule proved about it."""
+    context: list[ir.Node] = []
+    missing = [v for v in old_reads if v not in new_reads and not _derive(v, set(new_reads) | produced_old, context)]
+    if not missing:
+        return [], context
+    prelude: list[ir.Node] = []
+    if all(_derive(v, set(), prelude, from_inputs=True) for v in missing + new_reads) \
+            and len(prelude) <= _MAX_PRELUDE:
+        return prelude, []
+    return [], context
+
+
+def _derive(value: ir.Value, known: set, context: list[ir.Node], depth: int = 0, from_inputs: bool = False) -> bool:
+    """Add to ``context`` the nodes computing ``value`` from ``known`` values and constants (and graph inputs, with
+    ``from_inputs``), if few enough."""
     if value in known or is_static(value):
         return True
     node = value.producer()
-    if node is None or depth > 8 or node.graph is None or node.attributes.get("body") is not None:
+    if node is None:
+        return from_inputs
+    if depth > 8 or node.graph is None or node.attributes.get("body") is not None:
         return False
     if node in context:
         return True
-    if all(v is None or _derive(v, known, context, depth + 1) for v in node.inputs):
+    if all(v is None or _derive(v, known, context, depth + 1, from_inputs) for v in node.inputs):
         context.append(node)
         return True
     return False
+
+
+def _id_bounds(nodes: Sequence[ir.Node]) -> dict[ir.Value, int]:
+    """Integer values used as lookup indices, with how many table rows they may index; also the values they are
+    reshaped or cast from inside the region (``view(input_ids)``), which then get the valid ids."""
+    bounds: dict[ir.Value, int] = {}
+    inside = set(nodes)
+    for node in nodes:
+        table = node.inputs[0] if node.op_type == "Gather" else None
+        if table is None or table.shape is None or not isinstance(table.shape[0], int) \
+                or attr_value(node, "axis", 0) != 0:
+            continue
+        ids, bound = node.inputs[1], min(table.shape[0], _TABLE_ROWS)
+        while True:
+            bounds[ids] = min(bound, bounds.get(ids, bound))
+            source = ids.producer()
+            if source is None or source not in inside or source.op_type not in _ID_MOVES:
+                break
+            ids = source.inputs[0]
+    return bounds
 
 
 def _reads(nodes: Sequence[ir.Node], produced: set) -> list[ir.Value]:

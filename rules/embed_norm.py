@@ -126,8 +126,11 @@ class EmbedNorm(Rule):
                           "embedding_sum output")
         for old, new in outputs.items():
             new.type, new.shape = old.type, old.shape
+        # a lookup that something else also reads (two blocks sharing one word lookup) stays for that reader: the
+        # kernel looks the rows up again itself
+        shared = {lk.gather for lk in lookups if read_outside(lk.gather.outputs[0], m.nodes)}
         return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
-                           region=list(m.nodes), attributes={"epsilon": epsilon},
+                           region=[n for n in m.nodes if n not in shared], attributes={"epsilon": epsilon},
                            opset_imports={"com.microsoft": 1})
 
 

@@ -27,6 +27,16 @@ EXPECTED = {
     "llama_tiny_legacy_op14.onnx": (RMS, 5, 4, 0),
     "llama_tiny_dynamo_op18.onnx": (RMS, 5, 4, 0),
     "llama_tiny_fp16_legacy_op17.onnx": (RMS, 5, 4, 0),
+    # Hugging Face transformers exports (make_hf_samples.py). Their exporters take the sequence length from the
+    # looked-up embeddings, view the ids before the lookup, and BART scales the lookup by 1.0.
+    "hf_gpt2_dynamo_op18.onnx": (LAYER, 5, 4, 1),
+    "hf_distilbert_legacy_op14.onnx": (LAYER, 5, 4, 1),
+    "hf_bart_legacy_op14.onnx": (LAYER, 12, 10, 2),
+    "hf_opt_legacy_op14.onnx": (LAYER, 5, 0, 1),
+    "hf_t5_encoder_dynamo_op18.onnx": (RMS, 5, 4, 0),
+    # Gemma in fp16 applies its fp32 (1 + weight) before casting back: the Skip kernel takes gamma in the input's
+    # dtype, so the residual Add stays outside (exactly what the model computes)
+    "hf_gemma_fp16_legacy_op17.onnx": (RMS, 5, 0, 0),
 }
 EMBED = ("EmbedLayerNormalization", "QEmbedLayerNormalization")
 
