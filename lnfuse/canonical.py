@@ -62,7 +62,7 @@ def _is_noop_cast(node: ir.Node) -> bool:
         return False
     to = node.attributes.get("to")
     source = node.inputs[0]
-    return to is not None and source.type is not None and source.dtype == ir.DataType(to.value)
+    return to is not None and not to.is_ref() and source.type is not None and source.dtype == ir.DataType(to.value)
 
 
 def _times_one(node: ir.Node) -> ir.Value | None:

@@ -28,8 +28,8 @@ def is_static(value: ir.Value, depth: int = 0) -> bool:
     node = value.producer()
     if node is None:
         return value.const_value is not None
-    if not _is_onnx(node) or depth > _MAX_DEPTH:
-        return False
+    if not _is_onnx(node) or depth > _MAX_DEPTH or any(a.is_ref() for a in node.attributes.values()):
+        return False  # a function attribute's value is known only at each call
     if node.op_type == "Constant":
         return len(node.attributes) == 1 and not next(iter(node.attributes.values())).is_ref()
     if node.op_type in ("Shape", "Size"):
@@ -74,6 +74,12 @@ def _evaluate(value: ir.Value) -> np.ndarray:
         return np.array(int(np.prod([int(d) for d in node.inputs[0].shape])), dtype=np.int64)
     args = [None if v is None else _evaluate(v) for v in node.inputs]
     return _FOLD[op](node, args)
+
+
+def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """ONNX's integer Div truncates toward zero (C semantics); numpy's // floors."""
+    q = a // b
+    return np.where((q < 0) & (q * b != a), q + 1, q).astype(q.dtype)
 
 
 def _axes(node: ir.Node, args: list) -> list[int]:
@@ -143,7 +149,7 @@ _FOLD = {
     "Add": lambda n, a: a[0] + a[1],
     "Sub": lambda n, a: a[0] - a[1],
     "Mul": lambda n, a: a[0] * a[1],
-    "Div": lambda n, a: (a[0] // a[1]) if a[0].dtype.kind in "iu" else a[0] / a[1],
+    "Div": lambda n, a: _int_div(*a) if a[0].dtype.kind in "iu" else a[0] / a[1],
     "Neg": lambda n, a: -a[0],
     "Sqrt": lambda n, a: np.sqrt(a[0]),
     "Reciprocal": lambda n, a: 1 / a[0],

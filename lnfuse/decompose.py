@@ -138,6 +138,9 @@ def _embed_replacement(node: ir.Node, ctx: GraphContext, model: ir.Model) -> Rep
                        outputs=mapping, region=[node], attributes=attrs)
 
 
+_FLOAT_TYPES = {t.value for t in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16)}
+
+
 def _new_first(helpers: list[ir.Node], nodes: list[ir.Node]) -> list[ir.Node]:
     from lnfuse.rules._norm import new_nodes
     return new_nodes([h.outputs[0] for h in helpers]) + nodes
@@ -155,6 +158,9 @@ def _replacement(node: ir.Node, inverse: _Inverse, ctx: GraphContext, model: ir.
         axis = int(attr_value(node, "axis", -1))
         attrs["axis"] = axis - rank if axis >= 0 else axis
         attrs["stash_type"] = int(attr_value(node, "stash_type", 1))
+        if attrs["stash_type"] not in _FLOAT_TYPES:
+            raise Refusal("stash_type", f"stash_type {attrs['stash_type']} is not a float type; the reference "
+                          "cannot compute in it")
     if any(v is not None and v.dtype != x.dtype for v in node.inputs[1:]):
         raise Refusal("dtype", "inputs of different dtypes: the reference keeps one dtype")
     actual = {}

@@ -156,6 +156,7 @@ def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir
                 continue
             anchors = list(rule.anchor_nodes(m))
             try:
+                _no_function_attributes(m)
                 replacement = rule.build(m, ctx)
                 check_intermediates(replacement)
                 check_no_cycle(replacement, position)
@@ -168,6 +169,16 @@ def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir
                      if a in found.refused and found.refused[a][0].check in ("gamma", "beta")]
             return _Candidate(rule, replacement, anchors, notes)
     return None
+
+
+def _no_function_attributes(m: Match) -> None:
+    """An attribute that refers to a function's attribute has a value only at each call: checks cannot read it,
+    and a region cut out to verify would silently run without it."""
+    for node in m.nodes:
+        for attr in node.attributes.values():
+            if attr.is_ref():
+                raise Refusal("attribute", f"{node.op_type} '{node.name}' takes '{attr.name}' from the function's "
+                              f"attribute '{attr.ref_attr_name}', known only at each call")
 
 
 def check_intermediates(rep: Replacement) -> None:
@@ -246,7 +257,12 @@ def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Rep
     for rule, found in passes:
         by_refusal: dict[int, tuple[Refusal, list[ir.Node], list[ir.Node]]] = {}
         for anchor, (refusal, nodes) in found.refused.items():
-            if anchor.graph is None or anchor in reported:  # fused by a later rule, or already explained
+            if anchor in reported:
+                continue
+            if anchor.graph is None:  # fused by a later rule
+                if rule.reports_fallback:
+                    report.notes.append(f"{scope.path}: {rule.name} left {anchor.op_type} '{anchor.name}' to a later "
+                                        f"rule ({refusal.check}: {refusal.detail})")
                 continue
             by_refusal.setdefault(id(refusal), (refusal, nodes, []))[2].append(anchor)
         for refusal, nodes, anchors in by_refusal.values():
@@ -331,6 +347,8 @@ def _bypass_identity_reshapes(host: ir.Graph, value: ir.Value) -> None:
             return
         chain.append(readers[0][0])
         current = readers[0][0].outputs[0]
+        if current.is_graph_output() and not _same_static_shape(value, current):
+            return  # the model's output needs that intermediate shape
         if _same_static_shape(value, current):
             break
     if current.is_graph_output():

@@ -128,7 +128,7 @@ def _ort_only_ops(proto: onnx.ModelProto) -> set[str]:
 
     opset = next((i.version for i in proto.opset_import if i.domain in ("", "ai.onnx")), 1)
     missing = set()
-    for op in {n.op_type for n in proto.graph.node if n.domain in ("", "ai.onnx")}:
+    for op in {n.op_type for n in _every_node(proto) if n.domain in ("", "ai.onnx")}:
         try:
             onnx.defs.get_schema(op, opset, "")
         except onnx.defs.SchemaError:
@@ -137,13 +137,25 @@ def _ort_only_ops(proto: onnx.ModelProto) -> set[str]:
     return missing if missing and missing <= ort else set()
 
 
+def _every_node(proto: onnx.ModelProto):
+    """The nodes of the main graph, of If/Loop/Scan bodies at any depth, and of model-local functions."""
+    stack = [proto.graph.node, *(f.node for f in proto.functions)]
+    while stack:
+        for node in stack.pop():
+            yield node
+            for attr in node.attribute:
+                stack.extend([attr.g.node] if attr.HasField("g") else [])
+                stack.extend(g.node for g in attr.graphs)
+
+
 def _without_ort_only_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     copy = onnx.ModelProto.FromString(proto.SerializeToString())
     ops = _ort_only_ops(copy)
-    for node in copy.graph.node:
+    for node in _every_node(copy):
         if node.op_type in ops and node.domain in ("", "ai.onnx"):
             node.domain = _ORT_DOMAIN
-    copy.opset_import.append(onnx.helper.make_opsetid(_ORT_DOMAIN, 1))
+    for imports in [copy.opset_import, *(f.opset_import for f in copy.functions)]:
+        imports.append(onnx.helper.make_opsetid(_ORT_DOMAIN, 1))
     return copy
 
 
@@ -232,6 +244,8 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
         path = Path(source)
         (proto, lazy), where = read_proto(path), str(path)
     skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
+    _densify_sparse(proto)
+    _densify_sparse(skeleton)
     declared = _value_info_names(proto.graph, set())
     has_external = any(lazy is None or t.name not in lazy.data for t in _external_tensors(proto))
     inferred, error = infer_shapes(skeleton)
@@ -247,6 +261,26 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     if path is not None or base_dir is not None:
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
     return Loaded(model, path, declared, has_external, error, attach(model, lazy) if lazy else None)
+
+
+def _densify_sparse(proto: onnx.ModelProto) -> None:
+    """Sparse constants and initializers as dense tensors of the same values (onnx_ir reads only dense ones)."""
+    for node in _every_node(proto):
+        for attr in node.attribute:
+            if node.op_type == "Constant" and attr.name == "sparse_value":
+                dense = onnx.helper.make_attribute("value", _dense(attr.sparse_tensor))
+                attr.CopyFrom(dense)
+    proto.graph.initializer.extend(_dense(sparse) for sparse in proto.graph.sparse_initializer)
+    proto.graph.ClearField("sparse_initializer")
+
+
+def _dense(sparse: onnx.SparseTensorProto) -> onnx.TensorProto:
+    values = onnx.numpy_helper.to_array(sparse.values)
+    indices = onnx.numpy_helper.to_array(sparse.indices).astype(np.int64)
+    dims = [int(d) for d in sparse.dims]
+    flat = np.zeros(int(np.prod(dims)), dtype=values.dtype)
+    flat[indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)] = values
+    return onnx.numpy_helper.from_array(flat.reshape(dims), sparse.values.name)
 
 
 def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:

@@ -97,6 +97,8 @@ class Rule(abc.ABC):
     patterns: Sequence[Pattern]
     #: (pattern, reason): shapes that look like this family but compute something else, for the report
     near_misses: Sequence[tuple[Pattern, str, str]] = ()
+    #: when this rule refuses a candidate that a later rule then fuses as something smaller, say why in a note
+    reports_fallback: bool = False
 
     @abc.abstractmethod
     def build(self, m: Match, ctx: GraphContext) -> Replacement:

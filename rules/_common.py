@@ -104,6 +104,10 @@ def trailing_axes(axes: tuple[int, ...], node: ir.Node, others: Iterable[tuple[t
     k = len(axes)
     if list(axes) != list(range(-k, 0)):
         raise Refusal("axes", f"ReduceMean '{node.name}' reduces axes {list(axes)}, not the trailing ones")
+    shape = node.inputs[0].shape
+    if shape is not None and len(shape) >= k and any(d == 0 for d in list(shape)[len(shape) - k:]):
+        # the mean of nothing: the graph gives an empty tensor, the fused kernels refuse to run
+        raise Refusal("shape", f"ReduceMean '{node.name}' normalizes over an empty axis {list(shape)}")
     return k
 
 
@@ -117,6 +121,8 @@ def scalar(m: Match, name: str, what: str) -> float:
         source = f"node '{producer.name}' ({producer.op_type})" if producer is not None else "a graph input"
         raise Refusal(what, f"{what} '{value.name}' is not a constant (computed by {source})")
     flat = np.asarray(array).reshape(-1)
+    if flat.dtype.kind not in "fiu":
+        raise Refusal(what, f"{what} '{value.name}' is {flat.dtype}, not a number")
     if flat.size != 1:
         raise Refusal(what, f"{what} '{value.name}' holds {flat.size} values {flat[:4].tolist()}, not one number")
     x = m.value("x")
@@ -138,6 +144,8 @@ def epsilon(m: Match, name: str = "eps") -> float:
     eps = scalar(m, name, "epsilon")
     if not eps > 0:
         raise Refusal("epsilon", f"epsilon is {eps:g}; the fused op needs a positive epsilon")
+    if not 0 < np.float32(eps) < np.inf:
+        raise Refusal("epsilon", f"epsilon {eps:g} becomes {np.float32(eps):g} in the fused op's float32 attribute")
     return eps
 
 

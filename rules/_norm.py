@@ -170,8 +170,9 @@ def inverse_std_readers(m: Match, region: list[ir.Node]) -> tuple[list[ir.Value]
 
 
 def _is_one(value: ir.Value) -> bool:
+    """A 1 that does not broadcast the quotient to another shape."""
     array = static_value(value)
-    return array is not None and array.size >= 1 and bool(np.all(array == 1))
+    return array is not None and array.size == 1 and array.ndim <= 1 and bool(np.all(array == 1))
 
 
 def expose(ctx: GraphContext, fused_output: ir.Value, old: ir.Value, stash: ir.DataType) -> ir.Value:

@@ -77,6 +77,7 @@ class EmbedNorm(Rule):
     name = "embed_norm"
     anchors = frozenset({"LayerNormalization"})
     targets = frozenset({"ort"})
+    reports_fallback = True  # a refused block still becomes a Skip op: the user needs to know why it is not more
     patterns = (Op("LayerNormalization", _SUM, Var("gamma"), name="norm", extra_inputs=True),)
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
@@ -153,6 +154,12 @@ def _classify(m: Match, i: int) -> _Lookup:
         raise Refusal("gather", f"Gather '{node_name(gather)}' gathers along axis {attr_value(gather, 'axis')}")
     if dtype_of(ids) not in _INDEX_TYPES or ids.shape is None:
         raise Refusal("ids", f"the indices '{ids.name}' are not int32/int64 of known shape")
+    constant = static_value(ids)
+    rows = table.shape[0] if table.shape is not None and len(table.shape) > 0 else None
+    if constant is not None and isinstance(rows, int) and constant.size and \
+            (constant.min() < 0 or constant.max() >= rows):
+        raise Refusal("ids", f"the constant indices '{ids.name}' reach outside 0..{rows - 1}: ONNX Gather counts "
+                      "negative ids from the end, the kernel refuses them")
     s = m.value("add").shape
     dims = list(ids.shape)
     kind = ""

@@ -132,6 +132,24 @@ def test_explicit_position_ids_input():
     assert node.input[8].startswith("lnfuse_ids"), "int64 position ids are cast to int32"
 
 
+def test_constant_negative_position_ids_are_not_given_to_the_kernel():
+    # ONNX Gather counts negative ids from the end of the table; the kernel refuses them at run time
+    g = _G()
+    g.inputs[0] = oh.make_tensor_value_info("ids", TensorProto.INT64, [2, 4])
+    word = g.node("Gather", [g.table("word", V), "ids"], "word_emb")
+    pos = g.node("Gather", [g.table("pos", P), g.const("pids", np.arange(-4, 0, dtype=np.int64).reshape(1, 4))],
+                 "pos_emb")
+    model = g.norm(g.node("Add", [word, pos], "s"))
+    model.graph.output[0].type.tensor_type.shape.CopyFrom(onnx.TensorShapeProto(dim=[
+        onnx.TensorShapeProto.Dimension(dim_value=d) for d in (2, 4, H)]))
+    result = lnfuse.fuse(model)
+    assert "EmbedLayerNormalization" not in op_types(result.model)
+    assert any("outside 0..15" in note for note in result.report.notes)
+    feeds = {"ids": np.arange(8, dtype=np.int64).reshape(2, 4)}
+    np.testing.assert_allclose(session(result.model).run(None, feeds)[0], session(model).run(None, feeds)[0],
+                               atol=1e-4, rtol=1e-3)
+
+
 def test_embedding_sum_read_elsewhere_is_output_2():
     g = _G()
     g.inputs.append(oh.make_tensor_value_info("tt", TensorProto.INT64, ["batch", "seq"]))
@@ -155,6 +173,8 @@ def test_partial_sum_read_elsewhere_is_not_embedded():
     assert "EmbedLayerNormalization" not in op_types(result.model)
     # the kernel cannot output word + position alone: the last Add and the norm become a Skip op instead
     assert "SkipLayerNormalization" in op_types(result.model)
+    assert any("embed_norm left" in note and "'wp'" in note for note in result.report.notes), \
+        "the report says why the block is a Skip op and not an Embed op"
     feeds = {"ids": np.array([[3, 4, 5]]), "tt": np.array([[0, 1, 0]])}
     for want, got in zip(session(model).run(None, feeds), session(result.model).run(None, feeds)):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
