@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 
 import numpy as np
 import onnx
@@ -74,9 +75,17 @@ def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
             while inference.run_:
                 inference._infer_impl()
             inference._update_output_from_vi()
-            return inference.out_mp_
+            return None if _assumed_equal(inference.suggested_merge_) else inference.out_mp_
     except Exception:  # noqa: BLE001 - many internal failure types; onnx's inference is the fallback
         return None
+
+
+def _assumed_equal(merges: dict) -> bool:
+    """Whether ORT's inference merged two dims only because they broadcast against each other: one of them may be
+    1 at run time, where the Skip kernels refuse what the Add accepted. A clamp of a dim merged with the dim itself
+    (``Min(64, sequence)``: a position buffer sliced to the sequence) is equal wherever the Add runs at all."""
+    return any(not (str(merged).startswith(("Min(", "Max(")) and re.search(rf"\b{re.escape(str(kept))}\b", str(merged)))
+               for merged, kept in merges.items())
 
 
 @contextlib.contextmanager

@@ -135,3 +135,28 @@ def test_target_onnx_keeps_add_and_layer_norm():
     result = lnfuse.fuse(_model([("a", "b", "s")]), target="onnx")
     assert op_types(result.model) == ["Add", "LayerNormalization"]
     onnx.checker.check_model(result.model, full_check=True)
+
+
+def test_residual_that_may_broadcast_at_run_time_stays_an_add():
+    # r = table[:L] is valid for L = S and for L = 1 (broadcast); the kernel accepts only the first. ORT's
+    # symbolic shape inference would assume L = S because the Add broadcasts them.
+    from onnx import TensorProto
+    rng = np.random.default_rng(0)
+    nodes = [oh.make_node("Slice", ["table", "zero", "L", "zero"], ["r"]),
+             oh.make_node("Add", ["x", "r"], ["s"]),
+             oh.make_node("LayerNormalization", ["s", "gamma", "beta"], ["y"], epsilon=1e-5)]
+    inits = [onh.from_array(rng.standard_normal((16, 8)).astype(np.float32), "table"),
+             onh.from_array(np.array([0], np.int64), "zero"),
+             onh.from_array(np.linspace(0.5, 2, 8).astype(np.float32), "gamma"),
+             onh.from_array(np.linspace(-1, 1, 8).astype(np.float32), "beta")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", 8]),
+                                       oh.make_tensor_value_info("L", TensorProto.INT64, [1])],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", 8])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    for verify in (True, False):
+        fused = lnfuse.fuse(model, verify=verify).model
+        assert "SkipLayerNormalization" not in op_types(fused)
+        for length in (5, 1):
+            feeds = {"x": rng.standard_normal((2, 5, 8)).astype(np.float32), "L": np.array([length], np.int64)}
+            np.testing.assert_allclose(run(fused, feeds)[0], run(model, feeds)[0], atol=1e-5, rtol=1e-4)
