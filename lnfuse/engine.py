@@ -199,21 +199,28 @@ def check_intermediates(rep: Replacement) -> None:
 
 def check_no_cycle(rep: Replacement, position: dict[ir.Node, float]) -> None:
     """The new nodes must not read anything computed from the region they replace (a gamma computed from the
-    norm's own mean, say): the fused op would feed itself."""
+    norm's own mean, say): the fused op would feed itself. Reading a region value through what replaces it is
+    fine when an earlier new node produces the replacement (a Reshape after the fused op, whose target is computed
+    from the shape of the sum the fused op outputs)."""
     region = set(rep.region)
     start = min(position[n] for n in rep.region)
+    order = {node: i for i, node in enumerate(rep.nodes)}
     produced = {v for n in rep.nodes for v in n.outputs}
-    stack = [v for n in rep.nodes for v in n.inputs if v is not None and v not in produced]
-    seen: set[ir.Value] = set()
-    while stack:
-        value = stack.pop()
-        node = value.producer()
-        if value in seen or node is None or node not in position or position[node] < start:
-            continue
-        seen.add(value)
-        if node in region:
-            raise Refusal("cycle", f"'{value.name}' is computed inside the norm and also feeds the fused op")
-        stack.extend(v for v in node.inputs if v is not None)
+    for index, new_node in enumerate(rep.nodes):
+        stack = [v for v in new_node.inputs if v is not None and v not in produced]
+        seen: set[ir.Value] = set()
+        while stack:
+            value = stack.pop()
+            node = value.producer()
+            if value in seen or node is None or node not in position or position[node] < start:
+                continue
+            seen.add(value)
+            if node in region:
+                replacement = rep.outputs.get(value)
+                if replacement is not None and order.get(replacement.producer(), index) < index:
+                    continue
+                raise Refusal("cycle", f"'{value.name}' is computed inside the norm and also feeds the fused op")
+            stack.extend(v for v in node.inputs if v is not None)
 
 
 def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, options: Options, report: Report,

@@ -8,6 +8,8 @@ shows there); symbolic dims get concrete sizes, the same size for the same name.
 
 from __future__ import annotations
 
+import ast
+import operator
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -41,6 +43,7 @@ _TABLE_ROWS = 64
 _ID_MOVES = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"})
 #: nodes a region may borrow from its graph to compute what both of its sides read
 _MAX_PRELUDE = 48
+_INTEGERS = (ir.DataType.INT64, ir.DataType.INT32)
 
 
 @dataclass
@@ -93,7 +96,10 @@ class _Region:
         self.rep = rep
         new_reads = _reads(rep.nodes, {v for n in rep.nodes for v in n.outputs})
         old_reads = _reads(rep.region, {v for n in rep.region for v in n.outputs})
-        prelude, context = _shared_context(old_reads, new_reads, {v for n in rep.region for v in n.outputs})
+        ids = {n.inputs[1] for n in rep.region if n.op_type == "Gather"}
+        self.shapes_of: dict[ir.Value, ir.Node] = {}
+        prelude, context = _shared_context(old_reads, new_reads, {v for n in rep.region for v in n.outputs}, ids,
+                                           self.shapes_of)
         order = lambda n: position.get(n, len(position))  # noqa: E731
         old_nodes = sorted(prelude + context + list(rep.region), key=order)
         self.new_nodes = sorted(prelude, key=order) + list(rep.nodes)
@@ -123,14 +129,14 @@ class _Region:
         for value in self.inputs:
             if value.shape is None or value.type is None:
                 raise Unverifiable(f"the shape or dtype of '{value.name}' is unknown")
-            shape = []
-            for d in value.shape:
-                if isinstance(d, int):
-                    shape.append(d)
-                else:
-                    key = str(d) if d is not None and d.value is not None else f"?{len(dims)}"
-                    shape.append(dims.setdefault(key, _SIZES[len(dims) % len(_SIZES)]))
-            if value in self.tables and shape:
+            shape = _concrete(value.shape, dims)
+            if value in self.shapes_of:
+                # the shape of a value the region computes: the concrete sizes the other inputs were given
+                node = self.shapes_of[value]
+                start, end = attr_value(node, "start", 0), attr_value(node, "end", None)
+                feeds[self.prefix + value.name] = np.array(_concrete(node.inputs[0].shape, dims)[start:end],
+                                                           dtype=np.int64)
+            elif value in self.tables and shape:
                 feeds[self.prefix + value.name] = _random_table(rng, value.dtype, shape, self.tables[value])
             else:
                 feeds[self.prefix + value.name] = _random(rng, value.dtype, shape, self.bounds.get(value))
@@ -175,38 +181,96 @@ class _Region:
         return out
 
 
-def _shared_context(old_reads: list[ir.Value], new_reads: list[ir.Value],
-                    produced_old: set[ir.Value]) -> tuple[list[ir.Node], list[ir.Node]]:
+def _shared_context(old_reads: list[ir.Value], new_reads: list[ir.Value], produced_old: set[ir.Value],
+                    ids: set[ir.Value], shapes_of: dict[ir.Value, ir.Node]) -> tuple[list[ir.Node], list[ir.Node]]:
     """(prelude for both sides, extra nodes for the old side) so that both sides compute from the same inputs.
 
     The old side may read values computed outside the region from the new side's inputs (Flatten(X), Shape(X)):
-    those are recomputed on the old side. When they come from further up (positions from Shape(input_ids) while
-    the lookup reads view(input_ids)), both sides start from the graph inputs they share, through a prelude.
-    Random values for such an intermediate would break what the rule proved about it."""
+    those are recomputed on the old side. Values that random data would make meaningless are computed through a
+    prelude both sides run: positions from Shape(input_ids) while the lookup reads view(input_ids), and the shape
+    arithmetic a Reshape's target is made of. Lookup ids (``ids``) stay random valid indices."""
     context: list[ir.Node] = []
     missing = [v for v in old_reads if v not in new_reads and not _derive(v, set(new_reads) | produced_old, context)]
-    if not missing:
+    shapes = [v for v in dict.fromkeys(old_reads + new_reads)
+              if v not in ids and v.producer() is not None and v.dtype in _INTEGERS and not is_static(v)]
+    if not missing and not shapes:
         return [], context
     prelude: list[ir.Node] = []
-    if all(_derive(v, set(), prelude, from_inputs=True) for v in missing + new_reads) \
+    if all(_derive(v, set(), prelude, from_inputs=True, avoid=produced_old) for v in missing + shapes + new_reads) \
             and len(prelude) <= _MAX_PRELUDE:
         return prelude, []
-    return [], context
+    # the activations come from far up: keep them as inputs, and compute only the shape arithmetic from them
+    prelude, sources = [], (set(old_reads) | set(new_reads)) - set(missing) - set(shapes)
+    for value in shapes:
+        attempt: list[ir.Node] = []
+        if _derive(value, sources, attempt, from_inputs=True, avoid=produced_old, shapes_of=shapes_of):
+            prelude += [n for n in attempt if n not in prelude]
+    return (prelude if len(prelude) <= _MAX_PRELUDE else []), context
 
 
-def _derive(value: ir.Value, known: set, context: list[ir.Node], depth: int = 0, from_inputs: bool = False) -> bool:
+def _concrete(shape: ir.Shape, sizes: dict[str, int]) -> list[int]:
+    return [d if isinstance(d, int) else
+            _size(str(d) if d is not None and d.value is not None else f"?{len(sizes)}", sizes) for d in shape]
+
+
+def _size(name: str, sizes: dict[str, int]) -> int:
+    """A concrete size for a symbolic dim, the same for the same name. A dim that ORT's symbolic inference wrote as
+    an expression of others (``batch*sequence`` after a flattening Reshape) gets the value of that expression."""
+    if name not in sizes:
+        try:
+            found = _dim_expression(ast.parse(name, mode="eval").body, sizes)
+        except (SyntaxError, ValueError):
+            found = None
+        sizes[name] = found if found is not None and found > 0 else _SIZES[len(sizes) % len(_SIZES)]
+    return sizes[name]
+
+
+_DIM_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+            ast.Mod: operator.mod}
+
+
+def _dim_expression(tree: ast.expr, sizes: dict[str, int]) -> int | None:
+    """The value of a dim expression, or None for a plain name (which gets a size of its own)."""
+    if isinstance(tree, ast.Name):
+        return None
+    if isinstance(tree, ast.Constant) and isinstance(tree.value, int):
+        return tree.value
+    if isinstance(tree, ast.BinOp) and type(tree.op) in _DIM_OPS:
+        return _DIM_OPS[type(tree.op)](_operand(tree.left, sizes), _operand(tree.right, sizes))
+    if isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name) and tree.func.id in ("Min", "Max"):
+        return (min if tree.func.id == "Min" else max)(_operand(a, sizes) for a in tree.args)
+    raise ValueError("not a dim expression")
+
+
+def _operand(tree: ast.expr, sizes: dict[str, int]) -> int:
+    if isinstance(tree, ast.Name):
+        return _size(tree.id, sizes)
+    value = _dim_expression(tree, sizes)
+    if value is None:
+        raise ValueError("not a dim expression")
+    return value
+
+
+def _derive(value: ir.Value, known: set, context: list[ir.Node], depth: int = 0, from_inputs: bool = False,
+            avoid: set = frozenset(), shapes_of: dict | None = None) -> bool:
     """Add to ``context`` the nodes computing ``value`` from ``known`` values and constants (and graph inputs, with
-    ``from_inputs``), if few enough."""
+    ``from_inputs``), if few enough, reading nothing in ``avoid``. A Shape reads only its input's shape: that input
+    becomes a region input, fed random data of its (symbolic) shape."""
     if value in known or is_static(value):
         return True
     node = value.producer()
     if node is None:
         return from_inputs
-    if depth > 8 or node.graph is None or node.attributes.get("body") is not None:
+    if depth > 8 or node.graph is None or node.attributes.get("body") is not None or value in avoid:
         return False
     if node in context:
         return True
-    if all(v is None or _derive(v, known, context, depth + 1, from_inputs) for v in node.inputs):
+    if node.op_type == "Shape" and node.inputs[0] in avoid and shapes_of is not None \
+            and node.inputs[0].shape is not None:
+        shapes_of[value] = node  # fed as the concrete shape of the region's value
+        return True
+    if node.op_type == "Shape" and node.inputs[0] not in avoid or all(
+            v is None or _derive(v, known, context, depth + 1, from_inputs, avoid, shapes_of) for v in node.inputs):
         context.append(node)
         return True
     return False

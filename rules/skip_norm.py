@@ -63,15 +63,23 @@ class SkipNorm(Rule):
     name = "skip_norm"
     anchors = frozenset(_LAYER + _RMS)
     targets = frozenset({"ort"})
-    patterns = (Op(_LAYER + _RMS, SUM, Var("gamma"), name="norm", extra_inputs=True),)
+    # OPT flattens the sum to [B*S, H] (or back) between the residual and the norm: a norm over the last axis
+    # commutes with a Reshape that keeps the last axis, so the kernel runs on the sum as it is and the Reshape moves
+    # after it
+    patterns = (Op(_LAYER + _RMS, Either(SUM, Op("Reshape", SUM, Var("target"), name="reshape", extra_inputs=True)),
+                   Var("gamma"), name="norm", extra_inputs=True),)
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
         norm = m.node("norm")
         rms = norm.op_type in _RMS
         fused_type = "SkipSimplifiedLayerNormalization" if rms else "SkipLayerNormalization"
-        s = m.value("add")
+        s, reshape = m.value("add"), m.node("reshape")
+        _check_norm(norm, norm.inputs[0])
         _check_norm(norm, s)
         h = _hidden(s)
+        if reshape is not None and _hidden(norm.inputs[0]) != h:
+            raise Refusal("shape", f"Reshape '{node_name(reshape)}' changes the last axis ({h} to "
+                          f"{norm.inputs[0].shape[-1]}): the norm does not commute with it")
         dtype = dtype_of(s)
         if dtype not in _KERNEL_DTYPES:
             raise Refusal("dtype", f"{fused_type} has no {dtype} kernel")
@@ -92,13 +100,30 @@ class SkipNorm(Rule):
         stats = [(1, 1), (2, 2)] if not rms else [(1, 2)]
         for old_index, new_index in stats:
             if len(norm.outputs) > old_index and read_outside(norm.outputs[old_index], region):
+                if reshape is not None:
+                    raise Refusal("outputs", f"the statistics of '{node_name(norm)}' are read, in the shape "
+                                  "after the Reshape")
                 outputs[norm.outputs[old_index]] = fused.outputs[new_index]
         if read_outside(s, region):
             outputs[s] = fused.outputs[3]
         for old, new in outputs.items():
             new.type, new.shape = old.type, old.shape
-        _trim_unused_outputs(fused, set(outputs.values()))
-        return Replacement(op_type=fused_type, domain="com.microsoft", nodes=[fused], outputs=outputs,
+        used = set(outputs.values())
+        nodes = [fused]
+        if reshape is not None:
+            for old, new in ((norm.outputs[0], fused.outputs[0]), (reshape.outputs[0], fused.outputs[3])):
+                if old is norm.outputs[0] or read_outside(old, region):
+                    moved = ctx.node("Reshape", [new, m.value("target")], dict(reshape.attributes),
+                                     hint=node_name(reshape))
+                    moved.outputs[0].type, moved.outputs[0].shape = old.type, old.shape
+                    outputs[old] = moved.outputs[0]
+                    used.add(new)
+                    nodes.append(moved)
+            new_s = fused.outputs[0]
+            new_s.type, new_s.shape = s.type, s.shape
+            fused.outputs[3].type, fused.outputs[3].shape = s.type, s.shape
+        _trim_unused_outputs(fused, used)
+        return Replacement(op_type=fused_type, domain="com.microsoft", nodes=nodes, outputs=outputs,
                            region=region, attributes={"epsilon": float(epsilon)},
                            opset_imports={"com.microsoft": 1})
 

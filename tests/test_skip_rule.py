@@ -160,3 +160,28 @@ def test_residual_that_may_broadcast_at_run_time_stays_an_add():
         for length in (5, 1):
             feeds = {"x": rng.standard_normal((2, 5, 8)).astype(np.float32), "L": np.array([length], np.int64)}
             np.testing.assert_allclose(run(fused, feeds)[0], run(model, feeds)[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("target,fused", [([6, H], True), ([2, 3 * H], False)])
+def test_norm_of_a_reshaped_sum(target, fused):
+    # OPT: the sum is flattened to [B*S, H] before the norm, and the flattened sum is the next residual. A norm of
+    # the last axis commutes with a Reshape that keeps it; one that changes the last axis does not.
+    from onnx import TensorProto
+    rng = np.random.default_rng(0)
+    width = target[-1]
+    nodes = [oh.make_node("Add", ["a", "b"], ["s"]), oh.make_node("Reshape", ["s", "target"], ["flat"]),
+             oh.make_node("LayerNormalization", ["flat", "gamma", "beta"], ["Y"], epsilon=1e-5),
+             oh.make_node("Add", ["flat", "Y"], ["next"])]
+    inits = [onh.from_array(np.array(target, np.int64), "target"),
+             onh.from_array(rng.uniform(0.5, 1.5, width).astype(np.float32), "gamma"),
+             onh.from_array(rng.normal(size=width).astype(np.float32), "beta")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3, H]) for n in "ab"],
+                          [oh.make_tensor_value_info("next", TensorProto.FLOAT, target)], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 10
+    if not fused:
+        assert "SkipLayerNormalization" not in op_types(lnfuse.fuse(model).model)
+        return
+    node = _fused(model, "SkipLayerNormalization")
+    assert list(node.input[:2]) in (["a", "b"], ["b", "a"]), "the kernel runs on the sum before the Reshape"
+    assert len(node.output) == 4 and node.output[3], "the flattened sum is read again: output 3, reshaped"
