@@ -252,9 +252,14 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
 def _record_fused(c: _Candidate, scope: Scope, error: float | None, report: Report) -> None:
     rep = c.replacement
     report.fused.append(Fused(
-        rule=c.rule.name, op_type=rep.op_type, graph=scope.path, nodes=[n.name for n in rep.region],
+        rule=c.rule.name, op_type=rep.op_type, graph=scope.path, nodes=[_label(n) for n in rep.region],
         attributes=rep.attributes, max_error=None if error is None or math.isnan(error) else error,
         outputs=[old.name for old in rep.outputs], notes=c.notes))
+
+
+def _label(node: ir.Node) -> str:
+    """A node's name, or its op type where the exporter left it unnamed (the report must still say what it was)."""
+    return node.name or f"<unnamed {node.op_type}>"
 
 
 def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Report) -> None:
@@ -276,7 +281,7 @@ def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Rep
             reported.update(anchors)
             report.unfused.append(Unfused(
                 rule=rule.name, graph=scope.path, anchor=", ".join(f"{a.op_type} '{a.name}'" for a in anchors),
-                check=refusal.check, reason=refusal.detail, nodes=[n.name for n in nodes]))
+                check=refusal.check, reason=refusal.detail, nodes=[_label(n) for n in nodes]))
 
 
 def apply(graph: ir.Graph | ir.Function, rep: Replacement, position: dict[ir.Node, float]) -> None:
