@@ -82,10 +82,15 @@ def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
 
 def _assumed_equal(merges: dict) -> bool:
     """Whether ORT's inference merged two dims only because they broadcast against each other: one of them may be
-    1 at run time, where the Skip kernels refuse what the Add accepted. A clamp of a dim merged with the dim itself
+    1 at run time, where the Skip kernels refuse what the Add accepted. A dim merged with its own clamp
     (``Min(64, sequence)``: a position buffer sliced to the sequence) is equal wherever the Add runs at all."""
-    return any(not (str(merged).startswith(("Min(", "Max(")) and re.search(rf"\b{re.escape(str(kept))}\b", str(merged)))
-               for merged, kept in merges.items())
+    return any(not _clamps(str(merged), str(kept)) for merged, kept in merges.items())
+
+
+def _clamps(bounded: str, dim: str) -> bool:
+    """Whether ``bounded`` is ``Min(n, dim)`` or ``Max(n, dim)`` for a number n."""
+    return any(re.fullmatch(pattern, bounded) for pattern in (
+        rf"(Min|Max)\(\d+, {re.escape(dim)}\)", rf"(Min|Max)\({re.escape(dim)}, \d+\)"))
 
 
 @contextlib.contextmanager
