@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import onnx_ir as ir
 
@@ -24,9 +26,10 @@ _MOVES = frozenset({"Gather", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "S
                     "Flatten"})
 
 
-def canonicalize(graph: ir.Graph | ir.Function) -> list[str]:
+def canonicalize(graph: ir.Graph | ir.Function, fresh_name: Callable[[str], str]) -> list[str]:
     """Remove no-op Casts, multiplications by 1, shapes of lookups and identity requantizations; returns what was
-    removed, for the report."""
+    removed, for the report. ``fresh_name`` names new values uniquely across the whole model (subgraphs see the
+    names of the graphs around them)."""
     host = graph.graph if isinstance(graph, ir.Function) else graph
     removed = []
     casts = sum(_bypass(host, node) for node in list(host) if _is_noop_cast(node))
@@ -38,7 +41,8 @@ def canonicalize(graph: ir.Graph | ir.Function) -> list[str]:
         ones += source is not None and _bypass(host, node, source)
     if ones:
         removed.append(f"{ones} Mul(s) by 1")
-    shapes = sum(_shape_from_ids(host, node) for node in list(host) if node.op_type == "Shape" and _is_onnx(node))
+    shapes = sum(_shape_from_ids(host, node, fresh_name) for node in list(host)
+                 if node.op_type == "Shape" and _is_onnx(node))
     if shapes:
         removed.append(f"{shapes} Shape(s) of embedding lookups (now read from the ids)")
     pairs = sum(_bypass(host, node, node.inputs[0].producer().inputs[0])
@@ -81,7 +85,7 @@ def _is_onnx(node: ir.Node) -> bool:
     return node.domain in ("", "ai.onnx")
 
 
-def _shape_from_ids(host: ir.Graph, shape: ir.Node) -> bool:
+def _shape_from_ids(host: ir.Graph, shape: ir.Node, fresh_name: Callable[[str], str]) -> bool:
     found = _lookup_shape(shape.inputs[0]) if shape.inputs and shape.inputs[0] is not None else None
     if found is None:
         return False
@@ -98,8 +102,9 @@ def _shape_from_ids(host: ir.Graph, shape: ir.Node) -> bool:
             bounds = [constant([start.value if start is not None else 0]),
                       constant([end.value if end is not None else np.iinfo(np.int64).max])]
             new += bounds + [ir.node("Slice", [new[-1].outputs[0], bounds[0].outputs[0], bounds[1].outputs[0]])]
-    for i, node in enumerate(new):
-        node.name = f"{shape.name}/from_ids_{i}"
+    for node in new:
+        node.name = fresh_name(f"{shape.name or 'Shape'}/from_ids")
+        node.outputs[0].name = fresh_name(f"{shape.name or 'Shape'}/from_ids_out")
     host.insert_before(shape, new)
     old, result = shape.outputs[0], new[-1].outputs[0]
     result.type, result.shape = old.type, old.shape

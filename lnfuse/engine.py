@@ -64,9 +64,9 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
     every_scope = list(scopes(model))
     steps, step = max(1, len(every_scope) * len(options.rules)), 0
     for scope in every_scope:
-        removed = canonicalize(scope.graph)
-        report.notes.extend(f"{scope.path}: removed {what}" for what in removed)
         ctx = GraphContext(scope.graph, scope.opset, options.target, scope.path, names)
+        removed = canonicalize(scope.graph, ctx.fresh_name)
+        report.notes.extend(f"{scope.path}: removed {what}" for what in removed)
         refusals: list[tuple[Rule, _Pass]] = []
         for rule in options.rules:
             step += 1
@@ -273,8 +273,8 @@ def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Rep
                 continue
             if anchor.graph is None:  # fused by a later rule
                 if rule.reports_fallback:
-                    report.notes.append(f"{scope.path}: {rule.name} left {anchor.op_type} '{anchor.name}' to a later "
-                                        f"rule ({refusal.check}: {refusal.detail})")
+                    report.notes.append(f"{scope.path}: {rule.name} left {anchor.op_type} '{_label(anchor)}' to a "
+                                        f"later rule ({refusal.check}: {refusal.detail})")
                 continue
             by_refusal.setdefault(id(refusal), (refusal, nodes, []))[2].append(anchor)
         for refusal, nodes, anchors in by_refusal.values():

@@ -44,6 +44,7 @@ _ID_MOVES = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Id
 #: nodes a region may borrow from its graph to compute what both of its sides read
 _MAX_PRELUDE = 48
 _INTEGERS = (ir.DataType.INT64, ir.DataType.INT32)
+_MAX_DIM = 4096
 
 
 @dataclass
@@ -219,9 +220,10 @@ def _size(name: str, sizes: dict[str, int]) -> int:
     if name not in sizes:
         try:
             found = _dim_expression(ast.parse(name, mode="eval").body, sizes)
-        except (SyntaxError, ValueError):
+        except (SyntaxError, ValueError, ArithmeticError, RecursionError):
             found = None
-        sizes[name] = found if found is not None and found > 0 else _SIZES[len(sizes) % len(_SIZES)]
+        # an expression too large for a test input is not worth allocating: the region then gets a size of its own
+        sizes[name] = found if found is not None and 0 < found <= _MAX_DIM else _SIZES[len(sizes) % len(_SIZES)]
     return sizes[name]
 
 

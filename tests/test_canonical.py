@@ -88,3 +88,36 @@ def test_multiplication_by_one(one, removed):
     assert ("Mul" not in [n.op_type for n in fused.graph.node]) == removed
     assert compare_models(model, fused, {"x": np.random.default_rng(1).standard_normal((3, 2), dtype=np.float32)})[
         "ok"]
+
+
+def test_rewritten_shapes_in_branches_get_names_unique_in_the_model():
+    # subgraphs see the names of the graph around them: a name reused there makes the model invalid
+    table = onh.from_array(np.ones((10, 4), dtype=np.float32), "table")
+
+    def branch(tag):
+        return oh.make_graph([oh.make_node("Gather", ["table", "ids"], [f"emb_{tag}"]),
+                              oh.make_node("Shape", [f"emb_{tag}"], [f"shape_{tag}"])], tag, [],
+                             [oh.make_tensor_value_info(f"shape_{tag}", TensorProto.INT64, ["n"])])
+    nodes = [oh.make_node("Gather", ["table", "ids"], ["emb"]), oh.make_node("Shape", ["emb"], ["shape"]),
+             oh.make_node("If", ["cond"], ["picked"], then_branch=branch("a"), else_branch=branch("b"))]
+    model = _model(nodes, [_ids_input(), oh.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                   [oh.make_tensor_value_info("picked", TensorProto.INT64, ["n"]),
+                    oh.make_tensor_value_info("shape", TensorProto.INT64, ["n"])], [table])
+    fused = lnfuse.fuse(model).model
+    onnx.checker.check_model(fused, full_check=True)
+    feeds = {**_feeds(), "cond": np.array(True)}
+    assert compare_models(model, fused, feeds)["ok"]
+
+
+@pytest.mark.parametrize("dim", ["s0 % (s1 - s1)", "1000000*1000000", "batch*sequence"])
+def test_dims_written_as_expressions_never_break_verification(dim):
+    # ORT's symbolic inference writes dims like batch*sequence; a name that only looks like arithmetic gets a
+    # size of its own
+    x = [oh.make_tensor_value_info(n, TensorProto.FLOAT, [dim, 8]) for n in ("a", "b")]
+    nodes = [oh.make_node("Add", ["a", "b"], ["s"]),
+             oh.make_node("LayerNormalization", ["s", "gamma", "beta"], ["y"], epsilon=1e-5)]
+    inits = [onh.from_array(np.linspace(0.5, 2, 8).astype(np.float32), "gamma"),
+             onh.from_array(np.linspace(-1, 1, 8).astype(np.float32), "beta")]
+    model = _model(nodes, x, [oh.make_tensor_value_info("y", TensorProto.FLOAT, [dim, 8])], inits, opset=17)
+    result = lnfuse.fuse(model)
+    assert [f.op_type for f in result.report.fused] == ["SkipLayerNormalization"]
