@@ -64,27 +64,67 @@ def _has_huge_input(proto: onnx.ModelProto) -> bool:
 def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     """ORT's symbolic inference, keeping partial results. Its public entry point writes a file into the working
     directory when a node cannot be inferred, so the loop it runs is run here instead."""
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
     if not any(i.domain in ("", "ai.onnx") and i.version >= 7 for i in proto.opset_import):
         return None
     try:
         with _quiet():
-            inference = SymbolicShapeInference(2**31 - 1, True, False, 0)
+            inference = _recording_inference()(2**31 - 1, True, False, 0)
             inference._preprocess(proto)
             while inference.run_:
                 inference._infer_impl()
             inference._update_output_from_vi()
-            return None if _assumed_equal(inference.suggested_merge_) else inference.out_mp_
+            _rename_assumed_dims(inference.out_mp_, inference.assumed)
+            return inference.out_mp_
     except Exception:  # noqa: BLE001 - many internal failure types; onnx's inference is the fallback
         return None
 
 
-def _assumed_equal(merges: dict) -> bool:
-    """Whether ORT's inference merged two dims only because they broadcast against each other: one of them may be
-    1 at run time, where the Skip kernels refuse what the Add accepted. A dim merged with its own clamp
-    (``Min(64, sequence)``: a position buffer sliced to the sequence) is equal wherever the Add runs at all."""
-    return any(not _clamps(str(merged), str(kept)) for merged, kept in merges.items())
+def _recording_inference():
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    class Recording(SymbolicShapeInference):
+        """ORT's inference, recording each node where it merged two different dims. Where they meet in a
+        broadcast, ORT assumes them equal; but one may be 1 at run time, where the Skip/Embed kernels refuse or
+        differ from the Add they replace."""
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.current: onnx.NodeProto | None = None
+            self.assumed: list[tuple[onnx.NodeProto, list[str]]] = []
+
+        def _onnx_infer_single_node(self, node):
+            self.current = node
+            return super()._onnx_infer_single_node(node)
+
+        def _add_suggested_merge(self, symbols, apply=False):
+            if self.current is not None and not _safe_merge(symbols):
+                self.assumed.append((self.current, [str(s) for s in symbols]))
+            return super()._add_suggested_merge(symbols, apply)
+
+    return Recording
+
+
+def _rename_assumed_dims(model: onnx.ModelProto, assumed: list) -> None:
+    """The output of a node where ORT assumed two dims equal gets a dim of its own there, so that no rule proves
+    the node's result the same shape as one of its inputs (a residual Add whose skip may broadcast)."""
+    values = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output)}
+    for index, (node, symbols) in enumerate(assumed):
+        for name in node.output:
+            value = values.get(name)
+            if value is None or not value.type.tensor_type.HasField("shape"):
+                continue
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.dim_param in symbols or (dim.HasField("dim_value") and str(dim.dim_value) in symbols):
+                    dim.Clear()
+                    dim.dim_param = f"lnfuse_broadcast_{index}"
+
+
+def _safe_merge(symbols) -> bool:
+    """Dims a broadcast may merge without assuming anything: equal already, 1 with anything, or a dim with its own
+    clamp by a number (``Min(64, sequence)``: a position buffer sliced to the sequence is equal to it wherever the
+    Add runs at all)."""
+    rest = list(dict.fromkeys(str(d) for d in symbols if str(d) not in ("0", "1")))
+    return len(rest) <= 1 or (len(rest) == 2 and (_clamps(rest[0], rest[1]) or _clamps(rest[1], rest[0])))
 
 
 def _clamps(bounded: str, dim: str) -> bool:

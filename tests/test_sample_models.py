@@ -116,3 +116,20 @@ def test_api_takes_an_onnx_ir_model_and_leaves_it_alone():
     result = lnfuse.fuse(model)
     assert "SkipSimplifiedLayerNormalization" in [n.op_type for n in result.model.graph.node]
     assert ir.serde.serialize_model(model).SerializeToString() == before
+
+
+def test_inputs_with_their_own_dim_names_keep_the_add_that_may_broadcast():
+    # torch's legacy exporter names every input's dims apart when dynamic_axes are lists. Then token_type_ids may
+    # be [B, 1] while input_ids is [B, S]: the embedding Add broadcasts, which the Embed/Skip kernels cannot. The
+    # residual Adds inside the layers are still fused.
+    model = onnx.load(SAMPLES / "bert_tiny_legacy_op14.onnx")
+    for value in model.graph.input:
+        for dim in value.type.tensor_type.shape.dim:
+            dim.dim_param = f"{value.name}_{dim.dim_param}"
+    fused = lnfuse.fuse(model).model
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("SkipLayerNormalization") == 4 and "EmbedLayerNormalization" not in ops
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, 50, (2, 6)), "attention_mask": np.ones((2, 6), np.int64),
+             "token_type_ids": np.zeros((2, 1), np.int64)}
+    assert compare_models(model, fused, feeds)["ok"]
