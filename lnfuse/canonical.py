@@ -74,7 +74,9 @@ def _times_one(node: ir.Node) -> ir.Value | None:
     if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2 or None in node.inputs:
         return None
     for x, one in (node.inputs, reversed(node.inputs)):
-        array = static_value(one) if one.shape is not None and one.shape.is_static() else None
+        # only a one-element constant is read: a large weight is never loaded just to see it is not 1
+        single = one.shape is not None and one.shape.is_static() and all(int(d) == 1 for d in one.shape)
+        array = static_value(one) if single else None
         if array is not None and array.size == 1 and array.reshape(-1)[0] == 1 and x.shape is not None \
                 and array.ndim <= len(x.shape) and x.type is not None and x.dtype == one.dtype:
             return x

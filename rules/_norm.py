@@ -171,6 +171,8 @@ def inverse_std_readers(m: Match, region: list[ir.Node]) -> tuple[list[ir.Value]
 
 def _is_one(value: ir.Value) -> bool:
     """A 1 that does not broadcast the quotient to another shape."""
+    if value.shape is None or len(value.shape) > 1 or any(d != 1 for d in value.shape):
+        return False
     array = static_value(value)
     return array is not None and array.size == 1 and array.ndim <= 1 and bool(np.all(array == 1))
 
