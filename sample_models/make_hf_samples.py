@@ -63,18 +63,12 @@ import torch
 import transformers
 from torch import nn
 
-OUT_DIR = Path(__file__).resolve().parent
+# shared with the hand-written samples: sizes, IR cap, and the export/check helpers
+from make_samples import (CHECK_BATCH, CHECK_SEQ, EXPORT_BATCH, EXPORT_SEQ, MAX_IR_VERSION_FOR_ORT, OUT_DIR,
+                          count_ops, run_ort, strip_stack_traces)
 
 # The dynamo exporter logs one warning per torchvision op it cannot register.
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-
-# ORT 1.31 refuses models whose IR version is newer than it knows.
-MAX_IR_VERSION_FOR_ORT = 10
-
-CHECK_BATCH = 2
-CHECK_SEQ = 5
-EXPORT_BATCH = 3
-EXPORT_SEQ = 7
 
 HIDDEN = 32
 LAYERS = 2
@@ -247,15 +241,6 @@ def export_dynamo(model: nn.Module, inputs: dict[str, np.ndarray], opset: int) -
     return program.model_proto
 
 
-def strip_stack_traces(model: onnx.ModelProto) -> None:
-    """Drop the dynamo exporter's per-node stack traces (they hold absolute paths)."""
-    for nodes in [model.graph.node] + [f.node for f in model.functions]:
-        for node in nodes:
-            kept = [p for p in node.metadata_props if "stack_trace" not in p.key]
-            del node.metadata_props[:]
-            node.metadata_props.extend(kept)
-
-
 @dataclass(frozen=True)
 class Sample:
     file_name: str
@@ -297,19 +282,6 @@ def torch_reference(model: nn.Module, inputs: dict[str, np.ndarray]) -> np.ndarr
 
 
 # --------------------------------------------------------------------------- verify
-
-
-def count_ops(model: onnx.ModelProto, op_type: str) -> int:
-    nodes = list(model.graph.node) + [n for f in model.functions for n in f.node]
-    return sum(1 for n in nodes if n.op_type == op_type)
-
-
-def run_ort(path: Path, inputs: dict[str, np.ndarray]) -> np.ndarray:
-    options = ort.SessionOptions()
-    # Check the graph as written, not as ORT would rewrite it.
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return session.run(None, inputs)[0]
 
 
 def make_and_verify(sample: Sample) -> dict[str, object]:
