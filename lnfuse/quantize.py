@@ -67,6 +67,8 @@ def _ineligible(node: ir.Node) -> str:
         return "it uses position_ids, which QEmbedLayerNormalization does not take"
     if len(node.outputs) > 2 and node.outputs[2].name and (node.outputs[2].uses() or node.outputs[2].is_graph_output()):
         return "its embedding_sum output is read, which QEmbedLayerNormalization does not produce"
+    if node.outputs[0].dtype != ir.DataType.FLOAT:
+        return f"it computes in {node.outputs[0].dtype}; QEmbedLayerNormalization has a float32 kernel only"
     if any(v is not None and static_value(v) is None for v in inputs[2:7]):
         return "its tables, gamma or beta are not constants"
     return ""

@@ -271,3 +271,14 @@ def test_quantize_never_drops_position_ids():
     result = lnfuse.fuse(_bert(positions="roberta"), quantize_embeddings="uint8")
     assert "QEmbedLayerNormalization" not in op_types(result.model)
     assert any(u.rule == "quantize_embeddings" and "position_ids" in u.reason for u in result.report.unfused)
+
+
+def test_quantize_leaves_a_float16_block_as_it_is():
+    # QEmbedLayerNormalization has a float32 kernel only: an fp16 model keeps its EmbedLayerNormalization
+    from pathlib import Path
+    sample = Path(__file__).resolve().parent.parent / "sample_models" / "bert_tiny_fp16_legacy_op14.onnx"
+    result = lnfuse.fuse(sample, quantize_embeddings="int8")
+    assert "EmbedLayerNormalization" in op_types(result.model)
+    assert "QEmbedLayerNormalization" not in op_types(result.model)
+    assert any(u.rule == "quantize_embeddings" and "float32" in u.reason for u in result.report.unfused)
+    session(result.model)  # ORT loads it
