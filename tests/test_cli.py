@@ -345,3 +345,19 @@ def test_check_command_gates_ci(tmp_path: Path):
     path = tmp_path / "near.onnx"
     onnx.save(build(Spec(mutation="eps_outside")), path)
     assert lnfuse("check", str(path)).returncode == 1
+
+
+def test_whole_model_check_on_a_model_ort_cannot_run(tmp_path: Path):
+    # every tensor in external data, the Unsqueeze axes too: ONNX Runtime cannot load the original, so --verify
+    # model cannot run; fusing still works
+    model = onnx.load(SAMPLES / "hf_gpt2_dynamo_op18.onnx")
+    path = tmp_path / "all_external.onnx"
+    onnx.save_model(model, path, save_as_external_data=True, location="all.data", size_threshold=0)
+    (tmp_path / "out").mkdir()
+    proc = lnfuse(str(path), "-o", str(tmp_path / "out" / "o.onnx"), "--verify", "model")
+    assert proc.returncode == 2 and "cannot run the original model" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not list((tmp_path / "out").iterdir())
+    proc = lnfuse(str(path), "-o", str(tmp_path / "out" / "o.onnx"))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["all.data", "all_external.onnx", "out"]
