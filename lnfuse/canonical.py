@@ -62,7 +62,7 @@ def _bypass(host: ir.Graph, node: ir.Node, source: ir.Value | None = None) -> bo
 
 
 def _is_noop_cast(node: ir.Node) -> bool:
-    if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
+    if node.op_type != "Cast" or not _is_onnx(node) or node.inputs[0] is None:
         return False
     to = node.attributes.get("to")
     source = node.inputs[0]
@@ -71,13 +71,13 @@ def _is_noop_cast(node: ir.Node) -> bool:
 
 def _times_one(node: ir.Node) -> ir.Value | None:
     """x when ``node`` is Mul(x, 1) or Mul(1, x) and the product has x's shape and dtype."""
-    if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2 or None in node.inputs:
+    if node.op_type != "Mul" or not _is_onnx(node) or len(node.inputs) != 2 or None in node.inputs:
         return None
     for x, one in (node.inputs, reversed(node.inputs)):
         # only a one-element constant is read: a large weight is never loaded just to see it is not 1
         single = one.shape is not None and one.shape.is_static() and all(int(d) == 1 for d in one.shape)
         array = static_value(one) if single else None
-        if array is not None and array.size == 1 and array.reshape(-1)[0] == 1 and x.shape is not None \
+        if array is not None and array.reshape(-1)[0] == 1 and x.shape is not None \
                 and array.ndim <= len(x.shape) and x.type is not None and x.dtype == one.dtype:
             return x
     return None
@@ -156,7 +156,7 @@ def _stored_shape(table: ir.Value) -> list[int] | None:
 
 
 def _is_identity_requantization(node: ir.Node) -> bool:
-    if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+    if node.op_type != "DequantizeLinear" or not _is_onnx(node):
         return False
     quantize = node.inputs[0].producer() if node.inputs[0] is not None else None
     if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.outputs[0].uses().__len__() != 1:

@@ -68,6 +68,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
         removed = canonicalize(scope.graph, ctx.fresh_name)
         report.notes.extend(f"{scope.path}: removed {what}" for what in removed)
         refusals: list[tuple[Rule, _Pass]] = []
+        swept = False
         for rule in options.rules:
             step += 1
             if options.target not in rule.targets:
@@ -82,8 +83,8 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
             refusals.append((rule, found))
             if kept:
                 cleanup(scope.graph, kept)
-                removed = []
-        if removed:  # nothing fused here, but what the removals left unread goes too
+                swept = True
+        if removed and not swept:  # nothing fused here, but what the removals left unread goes too
             cleanup(scope.graph, [])
         _record_refusals(scope, refusals, report)
     for domain, version in opsets_used.items():

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def first_line(error: Exception) -> str:
+    """The first line of an exception's message (libraries raise multi-line ones; the CLI prints one line)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 class LnfuseError(Exception):
     exit_code = 2
 

@@ -24,7 +24,7 @@ from onnx.external_data_helper import load_external_data_for_tensor
 
 from lnfuse import wire
 from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, placeholders
-from lnfuse.errors import InputError, OutputError
+from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.shapes import infer_function_types, infer_shapes
 
 #: ONNX Runtime 1.31 reads IR versions up to 13
@@ -104,19 +104,15 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Pa
         onnx.checker.check_model(checked)
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as error:
         if not _ort_only_ops(checked):
-            raise InputError(f"{where}: fails the ONNX checker ({_first_line(error)}); fix or re-export the model")\
+            raise InputError(f"{where}: fails the ONNX checker ({first_line(error)}); fix or re-export the model")\
                 from None
         # ONNX Runtime's default-domain ops (a model fused with --target ort): check everything else
         try:
             onnx.checker.check_model(_without_ort_only_ops(checked))
         except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as again:
-            raise InputError(f"{where}: fails the ONNX checker ({_first_line(again)}); fix or re-export the model")\
+            raise InputError(f"{where}: fails the ONNX checker ({first_line(again)}); fix or re-export the model")\
                 from None
     return checked
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 _ORT_DOMAIN = "lnfuse.ort_default_domain"
@@ -212,7 +208,6 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
     skeleton.graph.output.extend(graph.output)
     skeleton.graph.value_info.extend(graph.value_info)
     skeleton.graph.initializer.extend(kept)
-    skeleton.graph.sparse_initializer.extend(graph.sparse_initializer)
     return skeleton
 
 
@@ -243,9 +238,8 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     else:
         path = Path(source)
         (proto, lazy), where = read_proto(path), str(path)
-    skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     _densify_sparse(proto)
-    _densify_sparse(skeleton)
+    skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
     has_external = any(lazy is None or t.name not in lazy.data for t in _external_tensors(proto))
     inferred, error = infer_shapes(skeleton)

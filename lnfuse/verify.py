@@ -96,11 +96,11 @@ class _Region:
         self.prefix = prefix
         self.rep = rep
         new_reads = _reads(rep.nodes, {v for n in rep.nodes for v in n.outputs})
-        old_reads = _reads(rep.region, {v for n in rep.region for v in n.outputs})
+        produced_old = {v for n in rep.region for v in n.outputs}
+        old_reads = _reads(rep.region, produced_old)
         ids = {n.inputs[1] for n in rep.region if n.op_type == "Gather"}
         self.shapes_of: dict[ir.Value, ir.Node] = {}
-        prelude, context = _shared_context(old_reads, new_reads, {v for n in rep.region for v in n.outputs}, ids,
-                                           self.shapes_of)
+        prelude, context = _shared_context(old_reads, new_reads, produced_old, ids, self.shapes_of)
         order = lambda n: position.get(n, len(position))  # noqa: E731
         old_nodes = sorted(prelude + context + list(rep.region), key=order)
         self.new_nodes = sorted(prelude, key=order) + list(rep.nodes)

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from lnfuse.errors import InputError, UsageError
+from lnfuse.errors import InputError, UsageError, first_line
 from lnfuse.verify import TOLERANCE, compare, session
 
 _DIM_SIZES = (2, 5, 3, 4, 6, 7)
@@ -51,12 +51,12 @@ def compare_models(original: onnx.ModelProto, fused: onnx.ModelProto, inputs: di
     try:
         expected = _run(original, feeds, base_dir)
     except Exception as error:  # noqa: BLE001 - ORT raises several types; its message is what the user needs
-        raise InputError(f"ONNX Runtime cannot run the original model ({_first_line(error)}); the whole-model "
+        raise InputError(f"ONNX Runtime cannot run the original model ({first_line(error)}); the whole-model "
                          "check needs it: run without --verify model") from None
     try:
         actual = _run(fused, feeds, base_dir)
     except Exception as error:  # noqa: BLE001
-        return {"ok": False, "summary": f"DIFFER; the fused model does not run ({_first_line(error)})",
+        return {"ok": False, "summary": f"DIFFER; the fused model does not run ({first_line(error)})",
                 "outputs": {}}
     dtypes = {v.name: v.type.tensor_type.elem_type for v in original.graph.output}
     outputs, ok = {}, True
@@ -68,11 +68,6 @@ def compare_models(original: onnx.ModelProto, fused: onnx.ModelProto, inputs: di
     worst = max(outputs.values()) if outputs else 0.0
     summary = f"{'agree' if ok else 'DIFFER'}; worst output difference {worst:.2e} over {len(outputs)} output(s)"
     return {"ok": ok, "summary": summary, "outputs": outputs}
-
-
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines() or [type(error).__name__]
-    return lines[0][:300]
 
 
 def _check_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:

@@ -174,7 +174,7 @@ def _is_one(value: ir.Value) -> bool:
     if value.shape is None or len(value.shape) > 1 or any(d != 1 for d in value.shape):
         return False
     array = static_value(value)
-    return array is not None and array.size == 1 and array.ndim <= 1 and bool(np.all(array == 1))
+    return array is not None and bool(np.all(array == 1))
 
 
 def expose(ctx: GraphContext, fused_output: ir.Value, old: ir.Value, stash: ir.DataType) -> ir.Value:

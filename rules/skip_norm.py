@@ -74,8 +74,9 @@ class SkipNorm(Rule):
         rms = norm.op_type in _RMS
         fused_type = "SkipSimplifiedLayerNormalization" if rms else "SkipLayerNormalization"
         s, reshape = m.value("add"), m.node("reshape")
-        _check_norm(norm, norm.inputs[0])
         _check_norm(norm, s)
+        if reshape is not None:
+            _check_norm(norm, norm.inputs[0])
         h = _hidden(s)
         if reshape is not None and _hidden(norm.inputs[0]) != h:
             raise Refusal("shape", f"Reshape '{node_name(reshape)}' changes the last axis ({h} to "
@@ -119,9 +120,8 @@ class SkipNorm(Rule):
                     outputs[old] = moved.outputs[0]
                     used.add(new)
                     nodes.append(moved)
-            new_s = fused.outputs[0]
-            new_s.type, new_s.shape = s.type, s.shape
-            fused.outputs[3].type, fused.outputs[3].shape = s.type, s.shape
+            for out in (fused.outputs[0], fused.outputs[3]):  # the kernel runs on the sum's shape
+                out.type, out.shape = s.type, s.shape
         _trim_unused_outputs(fused, used)
         return Replacement(op_type=fused_type, domain="com.microsoft", nodes=nodes, outputs=outputs,
                            region=region, attributes={"epsilon": float(epsilon)},
