@@ -212,3 +212,42 @@ def test_annotate_refuses_to_overwrite_the_input(tmp_path, capsys):
     assert main(["explain", str(copy), "--annotate", str(copy)]) == 2
     assert "overwrite the input" in capsys.readouterr().err
     assert copy.read_bytes() == BERT.read_bytes()
+
+
+# --- optional third-party tools: run only where they are installed (docs/toolbox.md says which were) -------------
+
+def test_lnfuse_as_an_olive_pass(tmp_path):
+    pytest.importorskip("olive.workflows")
+    from olive.workflows import run as olive_run
+
+    from lnfuse.olive_pass import package_config
+
+    workflow = {
+        "input_model": {"type": "ONNXModel", "model_path": str(BERT)},
+        "systems": {"local_system": {"type": "LocalSystem", "accelerators": [
+            {"device": "cpu", "execution_providers": ["CPUExecutionProvider"]}]}},
+        "passes": {"fuse": {"type": "LnfuseFusion", "target": "onnx", "upgrade_opset": True}},
+        "host": "local_system", "target": "local_system",
+        "cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "out"),
+    }
+    olive_run(workflow, package_config=package_config())
+    written = onnx.load(tmp_path / "out" / "model.onnx")
+    onnx.checker.check_model(written, full_check=True)
+    assert _ops(written).count("LayerNormalization") == 5 and "ReduceMean" not in _ops(written)
+    assert json.loads(_props(written.metadata_props)["lnfuse.options"])["upgrade_opset"] is True
+
+
+def test_lnfuse_after_an_optimum_export(tmp_path):
+    exporters = pytest.importorskip("optimum.exporters.onnx")
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertModel(config).eval().save_pretrained(tmp_path / "bert")
+    exporters.main_export(str(tmp_path / "bert"), output=tmp_path / "onnx", task="feature-extraction")
+    fused = tmp_path / "onnx" / "model.fused.onnx"
+    assert main([str(tmp_path / "onnx" / "model.onnx"), "-o", str(fused), "--verify", "model", "-q"]) == 0
+    ops = _ops(onnx.load(fused))
+    assert ops.count("SkipLayerNormalization") == 4 and ops.count("EmbedLayerNormalization") == 1
+    assert "ReduceMean" not in ops
