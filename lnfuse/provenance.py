@@ -38,8 +38,7 @@ def mark_fused(new_nodes: Sequence[ir.Node], region: Sequence[ir.Node], record: 
     error = "not verified" if record.max_error is None else f"{record.max_error:.3g}"
     shown = ", ".join(replaced[:_NAMES_SHOWN]) + (f" and {len(replaced) - _NAMES_SHOWN} more"
                                                    if len(replaced) > _NAMES_SHOWN else "")
-    checked = "not verified (--no-verify)" if record.max_error is None else \
-        f"verified in ONNX Runtime, max error {error}"
+    checked = "not verified" if record.max_error is None else f"verified in ONNX Runtime, max error {error}"
     for node in [n for n in new_nodes if n.op_type == record.op_type] or list(new_nodes):
         node.metadata_props[RULE] = record.rule
         node.metadata_props[REPLACED] = json.dumps(replaced)

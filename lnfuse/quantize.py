@@ -14,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse.constants import static_value
+from lnfuse.provenance import mark_fused
 from lnfuse.report import Fused, Report, Unfused
 from lnfuse.rule import GraphContext
 from lnfuse.whole_model import compare_models, random_inputs
@@ -52,8 +53,10 @@ def quantize_embeddings(model: ir.Model, scheme: str, names: set[str], report: R
         old_out.replace_all_uses_with(fused.outputs[0], replace_graph_outputs=True)
         graph.remove(node, safe=True)
         fused.outputs[0].name = name
-        report.fused.append(Fused("quantize_embeddings", "QEmbedLayerNormalization", "main", [node.name],
-                                  {"epsilon": epsilon, "scheme": scheme}, None))
+        record = Fused("quantize_embeddings", "QEmbedLayerNormalization", "main", [node.name],
+                       {"epsilon": epsilon, "scheme": scheme}, None)
+        report.fused.append(record)
+        mark_fused([fused], [node], record)
         done += 1
     for name, value in list(graph.initializers.items()):
         if not value.uses() and not value.is_graph_input() and not value.is_graph_output():

@@ -178,6 +178,15 @@ def test_a_skip_op_names_the_input_nodes_of_the_norm_it_absorbed(tmp_path):
     assert json.loads(_props(written.metadata_props)["lnfuse.options"])["verify"] is False
 
 
+def test_quantized_embedding_names_the_input_nodes_it_stands_for(tmp_path):
+    out = tmp_path / "q.onnx"
+    assert main([str(BERT), "-o", str(out), "-q", "--quantize-embeddings", "uint8"]) == 0
+    node = next(n for n in onnx.load(out).graph.node if n.op_type == "QEmbedLayerNormalization")
+    meta = _props(node.metadata_props)
+    assert meta["lnfuse.rule"] == "quantize_embeddings"
+    assert {"/word/Gather", "/embedding_norm/ReduceMean"} <= set(json.loads(meta["lnfuse.replaced"]))
+
+
 def test_annotated_copy_carries_the_reasons_and_the_same_weights(tmp_path, capsys):
     out = tmp_path / "explained.onnx"
     assert main(["explain", str(BERT), "--target", "onnx", "--annotate", str(out)]) == 0
