@@ -19,6 +19,7 @@ from lnfuse import io
 from lnfuse.constants import static_value
 from lnfuse.engine import apply, cleanup, scopes, _all_names
 from lnfuse.pattern import attr_value
+from lnfuse.provenance import mark_decomposed
 from lnfuse.report import Fused, Report, Unfused
 from lnfuse.rule import GraphContext, Refusal, Replacement
 from lnfuse.rules import embed_norm, layer_norm, rms_norm, skip_norm
@@ -89,6 +90,7 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
         del loaded.model.opset_imports["com.microsoft"]
     report.ops_after = _op_counts(loaded.model)
     io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+    mark_decomposed(loaded.model, report, verify_rewrites)
     report.seconds = time.perf_counter() - start
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)
 

@@ -5,6 +5,8 @@ as model properties, and a node's metadata_props and doc_string in the node's pa
   ``lnfuse.unfused`` (candidates left unfused);
 - each fused node: ``lnfuse.rule``, ``lnfuse.replaced`` (names of the input's nodes it stands for, JSON),
   ``lnfuse.max_error`` (measured in ONNX Runtime), and a one-sentence doc_string;
+- ``lnfuse decompose``: ``lnfuse.decomposed`` (op counts, JSON) and ``lnfuse.left`` (fused ops it could not
+  replace), in place of an earlier fuse's keys;
 - ``lnfuse explain --annotate``: each node of a candidate left unfused gets ``lnfuse.refused`` (why), each node of
   a fusable one ``lnfuse.fuses_into``.
 
@@ -14,6 +16,7 @@ Keys are only added or replaced under the ``lnfuse.`` prefix: the input's own pr
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Sequence
 
 import onnx_ir as ir
@@ -54,6 +57,17 @@ def mark_model(model: ir.Model, report: Report, options: dict) -> None:
     props["lnfuse.options"] = json.dumps(options, sort_keys=True, default=str)
     props["lnfuse.fused"] = json.dumps(report.fused_counts(), sort_keys=True)
     props["lnfuse.unfused"] = str(len(report.unfused))
+
+
+def mark_decomposed(model: ir.Model, report: Report, verify: bool) -> None:
+    """After ``lnfuse decompose``: the fused ops replaced by primitives; what an earlier fuse recorded no longer holds."""
+    props = model.metadata_props
+    for stale in ("lnfuse.fused", "lnfuse.unfused", "lnfuse.target"):
+        props.pop(stale, None)
+    props["lnfuse.version"] = lnfuse_version()
+    props["lnfuse.options"] = json.dumps({"command": "decompose", "verify": verify}, sort_keys=True)
+    props["lnfuse.decomposed"] = json.dumps(dict(Counter(f.op_type for f in report.fused)), sort_keys=True)
+    props["lnfuse.left"] = str(len(report.unfused))
 
 
 def mark_candidates(model: ir.Model, report: Report, scopes: dict[str, ir.Graph | ir.Function]) -> int:

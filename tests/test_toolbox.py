@@ -187,6 +187,17 @@ def test_quantized_embedding_names_the_input_nodes_it_stands_for(tmp_path):
     assert {"/word/Gather", "/embedding_norm/ReduceMean"} <= set(json.loads(meta["lnfuse.replaced"]))
 
 
+def test_decompose_replaces_what_an_earlier_fuse_recorded(tmp_path):
+    fused, plain = tmp_path / "fused.onnx", tmp_path / "plain.onnx"
+    assert main([str(BERT_OP18), "-o", str(fused), "-q", "--target", "onnx"]) == 0
+    assert main(["decompose", str(fused), "-o", str(plain), "-q"]) == 0
+    written = onnx.load(plain)
+    onnx.checker.check_model(written, full_check=True)
+    props = _props(written.metadata_props)
+    assert json.loads(props["lnfuse.decomposed"]) == {"LayerNormalization": 5} and props["lnfuse.left"] == "0"
+    assert "lnfuse.fused" not in props and json.loads(props["lnfuse.options"])["command"] == "decompose"
+
+
 def test_annotated_copy_carries_the_reasons_and_the_same_weights(tmp_path, capsys):
     out = tmp_path / "explained.onnx"
     assert main(["explain", str(BERT), "--target", "onnx", "--annotate", str(out)]) == 0
