@@ -114,6 +114,31 @@ def test_fuse_pass_runs_in_a_pass_manager_after_onnxscript_passes(exported, targ
     np.testing.assert_allclose(_run(ir.serde.serialize_model(result.model), x), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_fuse_pass_folds_the_residual_into_torch_layer_norm():
+    """nn.LayerNorm exports as LayerNormalization; with target ort the residual Add before it becomes a Skip op."""
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense, self.norm = torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)
+
+        def forward(self, x):
+            return self.norm(self.dense(x) + x)
+
+    torch.manual_seed(0)
+    module, x = Residual().eval(), torch.randn(2, 5, 16)
+    program = torch.onnx.export(module, (x,), dynamo=True, verbose=False)
+    assert "LayerNormalization" in _ops(program.model)
+    fuse_pass = lnfuse.FusePass()
+    result = ir.passes.PassManager([fuse_pass, ir.passes.common.RemoveUnusedNodesPass()])(program.model)
+    assert result.modified and fuse_pass.report.fused_counts() == {"SkipLayerNormalization": 1}
+    assert "LayerNormalization" not in _ops(result.model)
+    with torch.no_grad():
+        expected = module(x).numpy()
+    np.testing.assert_allclose(_run(ir.serde.serialize_model(result.model), x.numpy()), expected, rtol=1e-4,
+                               atol=1e-5)
+
+
 def test_fuse_pass_is_functional_and_checks_its_options_when_built(exported):
     program, _, _ = exported
     model = _fresh(program)
