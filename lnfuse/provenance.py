@@ -36,8 +36,7 @@ def mark_fused(new_nodes: Sequence[ir.Node], region: Sequence[ir.Node], record: 
     absorbs) stands for the input's nodes it replaced, so ``replaced`` always names nodes of the input model."""
     replaced: list[str] = []
     for node in region:
-        earlier = node.metadata_props.get(REPLACED)
-        replaced.extend(json.loads(earlier) if earlier else [node.name or f"<unnamed {node.op_type}>"])
+        replaced.extend(_stands_for(node))
     error = "not verified" if record.max_error is None else f"{record.max_error:.3g}"
     shown = ", ".join(replaced[:_NAMES_SHOWN]) + (f" and {len(replaced) - _NAMES_SHOWN} more"
                                                    if len(replaced) > _NAMES_SHOWN else "")
@@ -47,6 +46,18 @@ def mark_fused(new_nodes: Sequence[ir.Node], region: Sequence[ir.Node], record: 
         node.metadata_props[REPLACED] = json.dumps(replaced)
         node.metadata_props[ERROR] = error
         node.doc_string = f"lnfuse {record.rule}: replaces {len(replaced)} nodes ({shown}); {checked}"
+
+
+def _stands_for(node: ir.Node) -> list[str]:
+    """The input nodes a node stands for: those lnfuse recorded on it, else itself. The input is untrusted, so a
+    record that is not a JSON list of names counts as no record."""
+    try:
+        earlier = json.loads(node.metadata_props.get(REPLACED, "null"))
+    except ValueError:
+        earlier = None
+    if isinstance(earlier, list) and earlier and all(isinstance(name, str) for name in earlier):
+        return earlier
+    return [node.name or f"<unnamed {node.op_type}>"]
 
 
 def mark_model(model: ir.Model, report: Report, options: dict) -> None:

@@ -203,6 +203,16 @@ def test_a_skip_op_names_the_input_nodes_of_the_norm_it_absorbed(tmp_path):
     assert json.loads(_props(written.metadata_props)["lnfuse.options"])["verify"] is False
 
 
+def test_a_malformed_provenance_record_in_the_input_is_ignored():
+    source = onnx.load(BERT_OP18)
+    reduce_mean = next(n for n in source.graph.node if n.op_type == "ReduceMean")
+    reduce_mean.metadata_props.add(key="lnfuse.replaced", value="{not json")
+    result = lnfuse.fuse(source, target="onnx", verify=False)
+    records = [json.loads(n.metadata_props["lnfuse.replaced"]) for n in result.ir_model.graph
+               if n.op_type == "LayerNormalization"]
+    assert len(records) == 5 and any(reduce_mean.name in names for names in records)
+
+
 def test_quantized_embedding_names_the_input_nodes_it_stands_for(tmp_path):
     out = tmp_path / "q.onnx"
     assert main([str(BERT), "-o", str(out), "-q", "--quantize-embeddings", "uint8"]) == 0
