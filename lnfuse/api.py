@@ -22,9 +22,8 @@ from lnfuse.report import Report
 from lnfuse.rule import Rule
 from lnfuse.rules import all_rules
 from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
+from lnfuse.targets import TARGETS
 from lnfuse.whole_model import compare_models
-
-TARGETS = ("ort", "onnx")
 
 
 @dataclass

@@ -12,12 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from lnfuse.api import TARGETS, fuse
-from lnfuse.decompose import decompose
+# only what parsing the command line needs: the optimizer (onnx_ir, ONNX Runtime, numpy) is imported by the command
+# that runs it, so --help and usage errors answer at once
 from lnfuse.errors import LnfuseError, UsageError
-from lnfuse.io import write_text_atomically
+from lnfuse.targets import TARGETS
 
 COMMANDS = ("fuse", "explain", "decompose", "check")
 
@@ -101,6 +99,12 @@ def _progress(fraction: float, label: str) -> None:
 
 
 def _run(command: str, args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from lnfuse.api import fuse
+    from lnfuse.decompose import decompose
+    from lnfuse.io import write_text_atomically
+
     if command == "decompose":
         result = decompose(args.model, verify_rewrites=not args.no_verify)
         result.save(args.output, in_place=args.in_place)

@@ -7,9 +7,12 @@ each function is inferred once as a small graph whose inputs take the types of i
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -79,10 +82,23 @@ def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
         return None
 
 
-def _recording_inference():
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+def _ort_symbolic_shape_infer():
+    """ORT's symbolic_shape_infer module, executed from its file: importing it by name first runs
+    ``onnxruntime/tools/__init__.py``, which imports torch whenever torch is installed (1-2 s, unused here)."""
+    name = "onnxruntime.tools.symbolic_shape_infer"
+    if name not in sys.modules:
+        import onnxruntime
 
-    class Recording(SymbolicShapeInference):
+        path = Path(onnxruntime.__file__).parent / "tools" / "symbolic_shape_infer.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def _recording_inference():
+    class Recording(_ort_symbolic_shape_infer().SymbolicShapeInference):
         """ORT's inference, recording each node where it merged two different dims. Where they meet in a
         broadcast, ORT assumes them equal; but one may be 1 at run time, where the Skip/Embed kernels refuse or
         differ from the Add they replace."""

@@ -11,9 +11,9 @@ same, plus the sum as a second output) is SkipLayerNormalization with output 3.
 
 from __future__ import annotations
 
+import functools
+
 import onnx_ir as ir
-from onnxscript import FLOAT, script
-from onnxscript import opset18 as op
 
 from lnfuse.pattern import Either, Match, Op, Var, attr_value
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
@@ -24,31 +24,47 @@ _LAYER = ("LayerNormalization",)
 _RMS = ("SimplifiedLayerNormalization", "RMSNormalization")
 
 
-@script(default_opset=op)
-def reference(input, skip, gamma, beta, bias, epsilon: float = 1e-12):
-    """SkipLayerNormalization: (y, mean, inv_std_var, input + skip + bias); statistics in float32."""
-    s = op.Add(op.Add(input, skip), bias)
-    sf = op.Cast(s, to=FLOAT.dtype)
-    axes = op.Constant(value_ints=[-1])
-    mean = op.ReduceMean(sf, axes)
-    d = op.Sub(sf, mean)
-    var = op.ReduceMean(op.Mul(d, d), axes)
-    eps = op.CastLike(op.Constant(value_float=epsilon), var)
-    std = op.Sqrt(op.Add(var, eps))
-    normalized = op.CastLike(op.Div(d, std), input)
-    return op.Add(op.Mul(normalized, gamma), beta), mean, op.Reciprocal(std), s
+@functools.cache
+def reference():
+    """SkipLayerNormalization: (y, mean, inv_std_var, input + skip + bias); statistics in float32.
+    Compiled by onnxscript on first use: decompose and the tests need it, fusing does not."""
+    from onnxscript import FLOAT, script
+    from onnxscript import opset18 as op
+
+    @script(default_opset=op)
+    def skip_layer_normalization(input, skip, gamma, beta, bias, epsilon: float = 1e-12):
+        s = op.Add(op.Add(input, skip), bias)
+        sf = op.Cast(s, to=FLOAT.dtype)
+        axes = op.Constant(value_ints=[-1])
+        mean = op.ReduceMean(sf, axes)
+        d = op.Sub(sf, mean)
+        var = op.ReduceMean(op.Mul(d, d), axes)
+        eps = op.CastLike(op.Constant(value_float=epsilon), var)
+        std = op.Sqrt(op.Add(var, eps))
+        normalized = op.CastLike(op.Div(d, std), input)
+        return op.Add(op.Mul(normalized, gamma), beta), mean, op.Reciprocal(std), s
+
+    return skip_layer_normalization
 
 
-@script(default_opset=op)
-def reference_simplified(input, skip, gamma, bias, epsilon: float = 1e-12):
-    """SkipSimplifiedLayerNormalization: (y, inv_std_var, input + skip + bias); statistics in float32."""
-    s = op.Add(op.Add(input, skip), bias)
-    sf = op.Cast(s, to=FLOAT.dtype)
-    mean_square = op.ReduceMean(op.Mul(sf, sf), op.Constant(value_ints=[-1]))
-    eps = op.CastLike(op.Constant(value_float=epsilon), mean_square)
-    rms = op.Sqrt(op.Add(mean_square, eps))
-    normalized = op.CastLike(op.Div(sf, rms), input)
-    return op.Mul(normalized, gamma), op.Reciprocal(rms), s
+@functools.cache
+def reference_simplified():
+    """SkipSimplifiedLayerNormalization: (y, inv_std_var, input + skip + bias); statistics in float32.
+    Compiled by onnxscript on first use: decompose and the tests need it, fusing does not."""
+    from onnxscript import FLOAT, script
+    from onnxscript import opset18 as op
+
+    @script(default_opset=op)
+    def skip_simplified_layer_normalization(input, skip, gamma, bias, epsilon: float = 1e-12):
+        s = op.Add(op.Add(input, skip), bias)
+        sf = op.Cast(s, to=FLOAT.dtype)
+        mean_square = op.ReduceMean(op.Mul(sf, sf), op.Constant(value_ints=[-1]))
+        eps = op.CastLike(op.Constant(value_float=epsilon), mean_square)
+        rms = op.Sqrt(op.Add(mean_square, eps))
+        normalized = op.CastLike(op.Div(sf, rms), input)
+        return op.Mul(normalized, gamma), op.Reciprocal(rms), s
+
+    return skip_simplified_layer_normalization
 
 
 # s = a + b, with an optional 1-D bias added before or after the residual
