@@ -17,7 +17,6 @@ import numpy as np
 from lnfuse.api import TARGETS, fuse
 from lnfuse.decompose import decompose
 from lnfuse.errors import LnfuseError, UsageError
-from lnfuse.io import write_text_atomically
 
 COMMANDS = ("fuse", "explain", "decompose", "check")
 
@@ -146,12 +145,10 @@ def _run(command: str, args: argparse.Namespace) -> int:
     if bar is not None:
         bar(0.95, f"writing {args.output}")
     try:
-        result.save(args.output, in_place=args.in_place, external_data=args.external_data)
+        result.save(args.output, in_place=args.in_place, external_data=args.external_data, report=args.report)
     finally:
         if bar is not None:
             bar(1.0, "")
-    if args.report:
-        write_text_atomically(Path(args.report), report.to_json())
     if args.json:
         print(report.to_json())
     elif not args.quiet:
