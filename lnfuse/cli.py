@@ -150,12 +150,10 @@ def _run(command: str, args: argparse.Namespace) -> int:
     if bar is not None:
         bar(0.95, f"writing {args.output}")
     try:
-        result.save(args.output, in_place=args.in_place, external_data=args.external_data)
+        result.save(args.output, in_place=args.in_place, external_data=args.external_data, report=args.report)
     finally:
         if bar is not None:
             bar(1.0, "")
-    if args.report:
-        write_text_atomically(Path(args.report), report.to_json())
     if args.json:
         print(report.to_json())
     elif not args.quiet:

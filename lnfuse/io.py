@@ -11,7 +11,6 @@ import contextlib
 import mmap
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from google.protobuf.message import DecodeError
 
 from onnx.external_data_helper import load_external_data_for_tensor
 
-from lnfuse import wire
+from lnfuse import trust, wire
+from lnfuse.staging import Staging
 from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, placeholders
 from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.shapes import infer_function_types, infer_shapes
@@ -53,12 +53,15 @@ def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | 
     if p.stat().st_size == 0:
         raise InputError(f"{p}: the file is empty; re-export the model")
     try:
-        proto, weights = _parse(p)
+        proto, tensors, weights = _parse(p)
     except (DecodeError, RuntimeError, ValueError, OSError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise InputError(f"{p}: not a readable ONNX model (truncated or not ONNX: {first}); re-export it") from None
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise InputError(f"{p}: not an ONNX model (no graph or IR version); re-export it")
+    # the model's own external references, before lnfuse adds its placeholders pointing into the model file
+    trust.check_external_data(proto, p.parent, str(p))
+    proto.graph.initializer.extend(tensors)
     return proto, weights
 
 
@@ -69,10 +72,11 @@ _LAZY_BYTES = 1 << 12
 _TEXT_SUFFIXES = (".json", ".onnxtxt", ".textproto", ".prototxt", ".pbtxt")
 
 
-def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
-    """Parse the model's structure from the page cache, leaving its large inline weights in the file."""
+def _parse(path: Path) -> tuple[onnx.ModelProto, list[onnx.TensorProto], FileWeights | None]:
+    """Parse the model's structure from the page cache, leaving its large inline weights in the file (returned
+    as placeholder tensors to add to the graph, and where their bytes lie)."""
     if path.suffix.lower() in _TEXT_SUFFIXES:
-        return onnx.load(str(path), load_external_data=False), None
+        return onnx.load(str(path), load_external_data=False), [], None
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         identity = wire.FileIdentity.of_open(path, file.fileno())
         try:
@@ -81,9 +85,8 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
             tensors, weights = placeholders(lazy, mapped, identity)
         except (ValueError, IndexError, DecodeError):
             # not splittable (truncated, or not what it claims): let protobuf say what is wrong, or read it whole
-            return onnx.ModelProto.FromString(memoryview(mapped)), None
-    proto.graph.initializer.extend(tensors)
-    return proto, weights if weights.data else None
+            return onnx.ModelProto.FromString(memoryview(mapped)), [], None
+    return proto, tensors, weights if weights.data else None
 
 
 def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None) -> onnx.ModelProto:
@@ -97,8 +100,6 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Pa
         if imp.domain in ("", "ai.onnx") and imp.version > max_opset:
             raise InputError(f"{where}: opset {imp.version} is newer than this onnx supports ({max_opset}); "
                              "upgrade onnx or re-export at a lower opset")
-    if path is not None:
-        _check_external_files(proto, path)
     checked = _skeleton(proto, base_dir)
     try:
         onnx.checker.check_model(checked)
@@ -155,20 +156,6 @@ def _without_ort_only_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:
-    base = path.parent
-    for tensor in _external_tensors(proto):
-        info = {e.key: e.value for e in tensor.external_data}
-        location = base / info.get("location", "")
-        if not location.is_file():
-            raise InputError(f"{path}: external data file '{info.get('location')}' of tensor '{tensor.name}' is "
-                             f"missing; put it next to the model")
-        end = int(info.get("offset", 0)) + int(info.get("length", 0))
-        if end > location.stat().st_size:
-            raise InputError(f"{path}: external data file '{info.get('location')}' is shorter than tensor "
-                             f"'{tensor.name}' needs ({end} bytes); the file is truncated")
-
-
 def _external_tensors(proto: onnx.ModelProto):
     from onnx.external_data_helper import _get_all_tensors
     return [t for t in _get_all_tensors(proto) if t.data_location == onnx.TensorProto.EXTERNAL]
@@ -211,8 +198,14 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
     return skeleton
 
 
-def _external_ir_tensors(model: ir.Model):
-    return (v.const_value for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor))
+def _one_base_dir(model: ir.Model) -> Path | None:
+    """The folder an ``ir.Model``'s external tensors are read from (the trust boundary needs one model folder)."""
+    folders = {Path(v.const_value.base_dir) for g in _all_graphs(model) if not isinstance(g, ir.Function)
+               for v in g.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)}
+    if len(folders) > 1:
+        raise InputError(f"model: external tensors are read from {len(folders)} folders "
+                         f"({', '.join(sorted(map(repr, map(str, folders))))}); save the model to one folder first")
+    return next(iter(folders), None)
 
 
 def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
@@ -229,12 +222,14 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     base_dir = None
     if isinstance(source, ir.Model):
         # work on a copy: the caller's model is never modified; external tensors keep pointing at their files
-        base_dir = next((Path(t.base_dir) for t in _external_ir_tensors(source)), None)
+        base_dir = _one_base_dir(source)
         source = ir.serde.serialize_model(source)
     lazy: FileWeights | None = None
     if isinstance(source, onnx.ModelProto):
         proto, path, where = source, None, "model"
         proto = onnx.ModelProto.FromString(proto.SerializeToString())
+        # external data of a ModelProto is read relative to the working directory, as onnx_ir reads it
+        trust.check_external_data(proto, base_dir or Path.cwd(), where)
     else:
         path = Path(source)
         (proto, lazy), where = read_proto(path), str(path)
@@ -306,34 +301,55 @@ EXTERNAL_LAYOUTS = ("keep", "single")
 
 
 def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None, input_path: Path | None = None,
-         in_place: bool = False, source: SourceWeights | None = None) -> None:
-    """Write ``model`` to ``path`` atomically: everything goes to a temporary folder beside the target, then each
-    file is renamed into place, data first. A crash or Ctrl-C leaves no partial output, and the input's data files
-    are never written to."""
+         in_place: bool = False, source: SourceWeights | None = None,
+         report: tuple[str | os.PathLike, str] | None = None) -> None:
+    """Write ``model`` to ``path`` (and ``report = (path, text)``) atomically: every file goes to a temporary
+    folder beside its destination, and only when all are written is each renamed into place, the model last. A
+    crash or Ctrl-C leaves no partial output, and no file the run reads (the input and its data) is ever written."""
     target = Path(path)
     if input_path is not None and not in_place and _same_file(target, input_path):
         raise OutputError(f"{target}: the output would overwrite the input; choose another path or pass --in-place")
+    if in_place and target.is_symlink():
+        target = Path(os.path.realpath(target))  # rewrite the file the link names, keep the link
     folder = target.parent if str(target.parent) else Path(".")
-    if not folder.is_dir():
-        raise OutputError(f"{target}: folder '{folder}' does not exist; create it first")
-    if not os.access(folder, os.W_OK):
-        raise OutputError(f"{target}: folder '{folder}' is not writable; choose another output path")
-    tmp = None
+    report_path = Path(report[0]) if report is not None else None
+    for where in [folder] + ([report_path.parent if str(report_path.parent) else Path(".")] if report else []):
+        if not where.is_dir():
+            raise OutputError(f"{target}: folder {str(where)!r} does not exist; create it first")
+        if not os.access(where, os.W_OK):
+            raise OutputError(f"{target}: folder {str(where)!r} is not writable; choose another output path")
+    _check_overwrites(model, target, folder, external_data, input_path, in_place, source, report_path)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".lnfuse-tmp", dir=folder))
-        _write(model, tmp / target.name, external_data, folder, source)
-        produced = sorted((p for p in tmp.rglob("*") if p.is_file()), key=lambda p: p.name == target.name)
-        for file in produced:
-            final = folder / file.relative_to(tmp)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(file, final)
+        with Staging() as staging:
+            tmp = staging.area(folder)
+            _write(model, tmp / target.name, external_data, folder, source)
+            if report is not None:
+                (staging.area(report_path.parent) / report_path.name).write_text(report[1])
+            staging.commit(last=target)
     except OSError as error:
         raise OutputError(f"{target}: could not write ({error.strerror or error}); check the path and free space")\
             from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(tmp)
+
+
+def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data: str | None,
+                      input_path: Path | None, in_place: bool, source: SourceWeights | None,
+                      report: Path | None) -> None:
+    """Before anything is written: no path the run writes is a file it reads (see ``trust.check_no_overwrite``)."""
+    read_paths = [input_path] if input_path is not None else []
+    read_paths += [source.file.path] if source is not None else []
+    read_paths += [file for file, _ in _referenced_files(model)]
+    reads = {ident: p for p in read_paths if (ident := trust.identity(p)) is not None}
+    writes = [target]
+    if external_data == "single":
+        writes.append(folder / (target.name + ".data"))
+    elif external_data == "keep":
+        writes += [trust.confined(folder, location) for file, location in _referenced_files(model)
+                   if not _same_file(folder / location, file)]
+    allowed = set()
+    if in_place:
+        # the input model is replaced as asked, and so may be the data file its replacement writes
+        allowed = {trust.identity(p) for p in writes[:2 if external_data == "single" else 1]} - {None}
+    trust.check_no_overwrite(reads, writes + ([report] if report is not None else []), allowed)
 
 
 def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: Path,
@@ -353,10 +369,11 @@ def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: 
     _write_streamed(model, tmp_model, source)
     if external_data == "keep":
         # a hard link would be free, but onnx's checker then rejects both models ("potential hardlink attack")
-        for source, location in _referenced_files(model):
-            if not _same_file(folder / location, source):
-                (tmp_model.parent / location).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source, tmp_model.parent / location)
+        for source_file, location in _referenced_files(model):
+            if not _same_file(folder / location, source_file):
+                staged = trust.confined(tmp_model.parent, location)
+                staged.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source_file, staged)
 
 
 #: inline initializers at least this large are written one by one after the rest of the model
@@ -459,19 +476,6 @@ def _referenced_files(model: ir.Model) -> set[tuple[Path, str]]:
             if isinstance(tensor, ir.ExternalTensor):
                 found.add((Path(tensor.base_dir) / tensor.location, str(tensor.location)))
     return found
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """A small text file (the JSON report), written to a temporary file beside it and renamed into place."""
-    try:
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".lnfuse-tmp",
-                                         delete=False) as file:
-            file.write(text)
-        os.replace(file.name, path)
-    except OSError as error:
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(file.name)
-        raise OutputError(f"{path}: could not write the report ({error.strerror or error})") from None
 
 
 def _same_file(a: Path, b: Path) -> bool:
