@@ -176,13 +176,20 @@ def _nodes_in(nodes) -> list[onnx.NodeProto]:
 # -- dims ---------------------------------------------------------------------------------------------------------
 
 def _unknown_negative_dims(proto: onnx.ModelProto) -> None:
-    """A dim written as -1 (or any negative value) means "unknown" to ORT; onnx means the same by a dim with no
-    value, which is what lnfuse's shape code reads as a symbolic dim."""
+    """A dim written as -1 (or any negative value) means "unknown" to ORT. It becomes a symbolic dim of its own name
+    (valid ONNX with the same meaning), so shape inference can carry it through the graph: a lookup indexed by an
+    input of unknown dims still has the input's dims."""
+    taken = {dim.dim_param for graph, _ in _graphs(proto.graph, frozenset())
+             for info in [*graph.input, *graph.output, *graph.value_info] for dim in _dims(info.type)}
     for graph, _ in _graphs(proto.graph, frozenset()):
         for info in [*graph.input, *graph.output, *graph.value_info]:
-            for dim in _dims(info.type):
+            for axis, dim in enumerate(_dims(info.type)):
                 if dim.HasField("dim_value") and dim.dim_value < 0:
-                    dim.ClearField("dim_value")
+                    name = f"{info.name}_dim{axis}"
+                    while name in taken:
+                        name += "_"
+                    taken.add(name)
+                    dim.dim_param = name
 
 
 def _dims(type_proto: onnx.TypeProto) -> Iterator[onnx.TensorShapeProto.Dimension]:
