@@ -25,11 +25,8 @@ from lnfuse import trust, wire
 from lnfuse.staging import Staging
 from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, placeholders
 from lnfuse.errors import InputError, OutputError, first_line
+from lnfuse.repair import repair
 from lnfuse.shapes import infer_function_types, infer_shapes
-
-#: ONNX Runtime 1.31 reads IR versions up to 13
-MAX_IR_VERSION = 13
-
 
 @dataclass
 class Loaded:
@@ -92,9 +89,7 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, list[onnx.TensorProto], FileWei
 def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None) -> onnx.ModelProto:
     """Versions, external files, then onnx's checker on the model's skeleton (the weights' bytes are not what
     makes a graph valid, and checking them would cost a full copy). Returns the skeleton."""
-    if proto.ir_version > MAX_IR_VERSION:
-        raise InputError(f"{where}: IR version {proto.ir_version} is newer than ONNX Runtime reads (<= "
-                         f"{MAX_IR_VERSION}); re-export with an older onnx or set model.ir_version")
+    repair(proto, where)  # what ONNX Runtime repairs itself (node order, domains, -1 dims), or its refusal
     max_opset = onnx.defs.onnx_opset_version()
     for imp in proto.opset_import:
         if imp.domain in ("", "ai.onnx") and imp.version > max_opset:

@@ -186,7 +186,50 @@ def _classify(m: Match, i: int) -> _Lookup:
         kind = "arange"
     elif len(dims) == 1 and _same_dim(dims[0], s[1]) and _is_arange(ids):
         kind = "arange"
+    elif len(dims) == 2 and dims[0] == 1 and _is_arange(ids) and _sliced_to(ids, s[1]):
+        # buffer[:, :S] with S read from another input's shape (transformers' dynamo exports): its length is
+        # min(rows, S), which is S wherever the graph runs (else the Add cannot broadcast), so it is 0..S-1
+        kind = "arange"
     return _Lookup(gather, table, ids, kind)
+
+
+def _sliced_to(ids: ir.Value, seq) -> bool:
+    """``ids`` is a Slice whose end is the sequence length ``seq``, read from the shape of a tensor."""
+    node = ids.producer()
+    while node is not None and node.op_type in ("Cast", "Identity"):
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "Slice" or len(node.inputs) < 3:
+        return False
+    return _is_dim_of(node.inputs[2], seq)
+
+
+def _is_dim_of(value: ir.Value, dim, depth: int = 0) -> bool:
+    """``value`` holds one number, provably the size ``dim``: Shape(t)[i:i+1], Gather(Shape(t), i), possibly
+    Cast, Unsqueezed or Reshaped, of a tensor t whose axis i is ``dim``."""
+    node = value.producer()
+    if node is None or depth > 4:
+        return False
+    if node.op_type in ("Cast", "Identity", "Unsqueeze", "Reshape", "Squeeze"):
+        return _is_dim_of(node.inputs[0], dim, depth + 1)
+    if node.op_type == "Gather" and node.inputs[0].producer() is not None:
+        shape_node, index = node.inputs[0].producer(), static_value(node.inputs[1])
+        if shape_node.op_type != "Shape" or index is None or index.size != 1 or len(shape_node.attributes):
+            return False
+        return _axis_is(shape_node.inputs[0], int(index.reshape(-1)[0]), dim)
+    if node.op_type == "Shape":
+        source = node.inputs[0]
+        if source.shape is None:
+            return False
+        rank = len(source.shape)
+        start, end = attr_value(node, "start", 0), attr_value(node, "end", rank)
+        start, end = start + rank if start < 0 else start, min(end + rank if end < 0 else end, rank)
+        return end - start == 1 and _axis_is(source, start, dim)
+    return False
+
+
+def _axis_is(value: ir.Value, axis: int, dim) -> bool:
+    shape = value.shape
+    return shape is not None and -len(shape) <= axis < len(shape) and _same_dim(shape[axis], dim)
 
 
 def _is_arange(ids: ir.Value, depth: int = 0) -> bool:
