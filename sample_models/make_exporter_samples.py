@@ -366,8 +366,8 @@ class _SparseWeights:
         self._offset += size + (-size) % 4096  # page-aligned, as onnx writes external data
         with open(self._data_path, "ab") as f:
             f.truncate(self._offset)
-        return ir.ExternalTensor(self._data_path.name, offset, size, ir.DataType.from_numpy(dtype), shape=ir.Shape(shape),
-                                 name=f"w{offset}", base_dir=self._data_path.parent)
+        return ir.ExternalTensor(self._data_path.name, offset, size, ir.DataType.from_numpy(dtype),
+                                 shape=ir.Shape(shape), name=f"w{offset}", base_dir=self._data_path.parent)
 
 
 class _Weight:
