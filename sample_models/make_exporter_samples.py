@@ -366,8 +366,8 @@ class _SparseWeights:
         self._offset += size + (-size) % 4096  # page-aligned, as onnx writes external data
         with open(self._data_path, "ab") as f:
             f.truncate(self._offset)
-        return ir.ExternalTensor(self._data_path.name, offset, size, ir.DataType.from_numpy(dtype), shape=ir.Shape(shape),
-                                 name=f"w{offset}", base_dir=self._data_path.parent)
+        return ir.ExternalTensor(self._data_path.name, offset, size, ir.DataType.from_numpy(dtype),
+                                 shape=ir.Shape(shape), name=f"w{offset}", base_dir=self._data_path.parent)
 
 
 class _Weight:
@@ -378,9 +378,15 @@ class _Weight:
         return self._weights.weight(self._shape, dtype)
 
 
-def onnxscript_model(name: str, folder: Path, seed: int = 0, inline_bytes: int = INLINE_BYTES) -> Path:
+def onnxscript_model(name: str, folder: Path, seed: int = 0, inline_bytes: int = INLINE_BYTES,
+                     external_constants: bool = False) -> Path:
     """Write onnxscript's test model ``name`` (one of ONNXSCRIPT_MODELS) to ``folder/<name>.onnx``, as onnxscript
-    builds it; weights over ``inline_bytes`` go to a sparse ``<name>.data`` beside it (zeros)."""
+    builds it; weights over ``inline_bytes`` go to a sparse ``<name>.data`` beside it (zeros).
+
+    onnxscript writes every weight as a Constant node. A Constant whose tensor is external data is valid ONNX and
+    ONNX Runtime loads it, but lnfuse 0.x refuses it ("fails the ONNX checker": the checker looks for the data
+    file beside the working directory). Unless ``external_constants``, those Constants become initializers of the
+    same name and tensor; every other node, the norms' CastLike constants included, is as onnxscript built it."""
     module = importlib.import_module(f"onnxscript.rewriter.models.{name}")
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / f"{name.lstrip('_')}.data"
@@ -395,9 +401,24 @@ def onnxscript_model(name: str, folder: Path, seed: int = 0, inline_bytes: int =
     finally:
         for attr, value in saved.items():
             setattr(module, attr, value)
+    if not external_constants:
+        _external_constants_to_initializers(proto.graph)
     path = folder / f"{name.lstrip('_')}.onnx"
     onnx.save_model(proto, str(path))
     return path
+
+
+def _external_constants_to_initializers(graph: onnx.GraphProto) -> None:
+    kept = []
+    for node in graph.node:
+        tensor = node.attribute[0].t if node.op_type == "Constant" and len(node.attribute) == 1 else None
+        if tensor is not None and tensor.data_location == onnx.TensorProto.EXTERNAL:
+            tensor.name = node.output[0]
+            graph.initializer.append(tensor)
+        else:
+            kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
 
 
 # =========================================================================== main
