@@ -43,15 +43,20 @@ def _varint_bytes(value: int) -> bytes:
             return bytes(out)
 
 
+#: a 64-bit varint takes at most 10 bytes; a longer run of continuation bytes is not protobuf (unbounded, the
+#: loop would build an ever larger integer: quadratic in the run's length)
+_MAX_VARINT_BYTES = 10
+
+
 def _varint(buf, pos: int) -> tuple[int, int]:
     result = shift = 0
-    while True:
+    for pos in range(pos, pos + _MAX_VARINT_BYTES):
         byte = buf[pos]
-        pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
-            return result, pos
+            return result, pos + 1
         shift += 7
+    raise ValueError(f"a varint longer than {_MAX_VARINT_BYTES} bytes at byte {pos + 1 - _MAX_VARINT_BYTES}")
 
 
 def _fields(buf, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
