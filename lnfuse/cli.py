@@ -120,7 +120,6 @@ def _run(command: str, args: argparse.Namespace) -> int:
 
     from lnfuse.api import fuse
     from lnfuse.decompose import decompose
-    from lnfuse.io import write_text_atomically
 
     if command == "decompose":
         result = decompose(args.model, verify_rewrites=not args.no_verify)

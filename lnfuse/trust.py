@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Callable
 
 import onnx
 import onnx_ir as ir
@@ -18,12 +19,16 @@ import onnx_ir as ir
 from lnfuse.errors import InputError, OutputError
 
 
-def check_external_data(proto: onnx.ModelProto, base: Path, where: str) -> None:
-    """Every external-data reference of the model, in any graph or attribute, names a file it may read."""
+def check_external_data(proto: onnx.ModelProto, base: Path, where: str,
+                        lnfuse_made: Callable[[onnx.TensorProto], bool] | None = None) -> None:
+    """Every external-data reference of the model, in any graph or attribute, names a file it may read.
+    ``lnfuse_made`` tells the placeholders lnfuse put in for weights left in the model file itself."""
     from onnx.external_data_helper import _get_all_tensors
 
     root = os.path.realpath(base)
     for tensor in _get_all_tensors(proto):
+        if lnfuse_made is not None and lnfuse_made(tensor):
+            continue
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             external_file(tensor, base, root, where)
 
