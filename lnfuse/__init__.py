@@ -8,21 +8,33 @@
 In an onnx_ir PassManager: ``lnfuse.FusePass(target="onnx")``; ``lnfuse.fuse`` also takes torch's ONNXProgram.
 """
 
-from lnfuse.api import FuseResult, fuse
-from lnfuse.decompose import decompose
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from lnfuse.errors import InputError, LnfuseError, OutputError, UsageError
-from lnfuse.report import Report
+
+if TYPE_CHECKING:
+    from lnfuse.api import FuseResult, fuse
+    from lnfuse.decompose import decompose
+    from lnfuse.report import Report
 
 __all__ = ["fuse", "decompose", "FusePass", "FuseResult", "Report", "LnfuseError", "InputError", "OutputError",
            "UsageError"]
 
+#: imported on first use: the optimizer pulls in onnx_ir, ONNX Runtime and numpy (about half a second), which
+#: ``lnfuse --help`` and ``import lnfuse.errors`` do not need
+_LAZY = {"fuse": "lnfuse.api", "FuseResult": "lnfuse.api", "decompose": "lnfuse.decompose", "Report": "lnfuse.report",
+         "FusePass": "lnfuse.passes"}
+
 
 def __getattr__(name: str):
-    """``FusePass`` (an onnx_ir pass) and ``__version__`` (from the package metadata) are made on first use."""
-    if name == "FusePass":
-        from lnfuse.passes import FusePass
-        return FusePass
     if name == "__version__":
         from lnfuse.version import lnfuse_version
         return lnfuse_version()
-    raise AttributeError(f"module 'lnfuse' has no attribute '{name}'")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'lnfuse' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -23,12 +23,11 @@ from lnfuse.report import Report
 from lnfuse.rule import Rule
 from lnfuse.rules import all_rules
 from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
+from lnfuse.targets import TARGETS
 from lnfuse.whole_model import compare_models
 
 if TYPE_CHECKING:  # only for the annotation: lnfuse never imports torch
     from torch.onnx import ONNXProgram
-
-TARGETS = ("ort", "onnx")
 
 
 @dataclass
@@ -45,13 +44,16 @@ class FuseResult:
     def model(self) -> onnx.ModelProto:
         return ir.serde.serialize_model(self.ir_model)
 
-    def save(self, path: str | os.PathLike, *, in_place: bool = False, external_data: str = "keep") -> None:
+    def save(self, path: str | os.PathLike, *, in_place: bool = False, external_data: str = "keep",
+             report: str | os.PathLike | None = None) -> None:
         """Write atomically. External weights stay external: ``"keep"`` references the input's data files
-        (copied unchanged beside the output if it goes to another folder), ``"single"`` writes ``<path>.data``."""
+        (copied unchanged beside the output if it goes to another folder), ``"single"`` writes ``<path>.data``.
+        ``report``: also write the report as JSON there, renamed into place with the model or not at all."""
         if external_data not in io.EXTERNAL_LAYOUTS:
             raise UsageError(f"unknown external data layout '{external_data}'; use {' or '.join(io.EXTERNAL_LAYOUTS)}")
         io.save(self.ir_model, path, external_data=external_data if self.has_external_data else None,
-                input_path=self.source_path, in_place=in_place, source=self.source_weights)
+                input_path=self.source_path, in_place=in_place, source=self.source_weights,
+                report=(report, self.report.to_json()) if report is not None else None)
 
 
 def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None = None) -> tuple[Rule, ...]:

@@ -13,12 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from lnfuse.api import TARGETS, fuse
-from lnfuse.decompose import decompose
+# only what parsing the command line needs: the optimizer (onnx_ir, ONNX Runtime, numpy) is imported by the command
+# that runs it, so --help and usage errors answer at once
 from lnfuse.errors import LnfuseError, UsageError
-from lnfuse.io import write_text_atomically
+from lnfuse.targets import TARGETS
 
 COMMANDS = ("fuse", "explain", "decompose", "check")
 
@@ -118,6 +116,11 @@ def _progress(fraction: float, label: str) -> None:
 
 
 def _run(command: str, args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from lnfuse.api import fuse
+    from lnfuse.decompose import decompose
+
     if command == "decompose":
         result = decompose(args.model, verify_rewrites=not args.no_verify)
         result.save(args.output, in_place=args.in_place)
@@ -168,12 +171,10 @@ def _run(command: str, args: argparse.Namespace) -> int:
     if bar is not None:
         bar(0.95, f"writing {args.output}")
     try:
-        result.save(args.output, in_place=args.in_place, external_data=args.external_data)
+        result.save(args.output, in_place=args.in_place, external_data=args.external_data, report=args.report)
     finally:
         if bar is not None:
             bar(1.0, "")
-    if args.report:
-        write_text_atomically(Path(args.report), report.to_json())
     if args.json:
         print(report.to_json())
     elif not args.quiet:
