@@ -18,14 +18,14 @@ import onnx_ir as ir
 from lnfuse.errors import InputError, OutputError
 
 
-def check_external_data(proto: onnx.ModelProto, base: Path, where: str) -> None:
-    """Every external-data reference of the model, in any graph or attribute, names a file it may read."""
+def check_external_data(proto: onnx.ModelProto, base: Path, where: str) -> list[Path]:
+    """The files the model's external-data references (in any graph or attribute) name, once each is known to be
+    one it may read."""
     from onnx.external_data_helper import _get_all_tensors
 
     root = os.path.realpath(base)
-    for tensor in _get_all_tensors(proto):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            external_file(tensor, base, root, where)
+    return sorted({external_file(t, base, root, where) for t in _get_all_tensors(proto)
+                   if t.data_location == onnx.TensorProto.EXTERNAL})
 
 
 def external_file(tensor: onnx.TensorProto, base: Path, root: str, where: str) -> Path:
@@ -68,8 +68,7 @@ def external_file(tensor: onnx.TensorProto, base: Path, root: str, where: str) -
 
 def tensor_bytes(tensor: onnx.TensorProto, said: str) -> int:
     """The bytes a tensor of this type and shape holds (four-bit types pack two elements a byte)."""
-    if any(d < 0 for d in tensor.dims):
-        raise InputError(f"{said}: negative dimension in {list(tensor.dims)}; re-export the model")
+    elements = element_count(tensor.dims, said)
     try:
         itemsize = ir.DataType(tensor.data_type).itemsize
     except ValueError:
@@ -77,7 +76,13 @@ def tensor_bytes(tensor: onnx.TensorProto, said: str) -> int:
     if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
         raise InputError(f"{said}: a {onnx.TensorProto.DataType.Name(tensor.data_type)} tensor cannot be external "
                          "data; re-export the model")
-    return math.ceil(math.prod(tensor.dims) * itemsize)
+    return math.ceil(elements * itemsize)
+
+
+def element_count(dims, said: str) -> int:
+    if any(d < 0 for d in dims):
+        raise InputError(f"{said}: negative dimension in {list(dims)}; re-export the model")
+    return math.prod(dims)
 
 
 def _number(text: str, said: str, key: str) -> int:
