@@ -19,7 +19,7 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
-from lnfuse import trust, wire
+from lnfuse import trust, wellformed, wire
 from lnfuse.staging import Staging
 from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, placeholders
 from lnfuse.errors import InputError, OutputError, first_line
@@ -242,6 +242,7 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     else:
         path = Path(source)
         (proto, lazy, data_files), where = read_proto(path), str(path)
+    wellformed.check(proto, where)
     _densify_sparse(proto, where)
     skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())

@@ -45,7 +45,7 @@ def external_file(tensor: onnx.TensorProto, base: Path, root: str, where: str) -
         raise InputError(f"{said}, a link to {real!r} outside the model's folder; copy the file into the folder "
                          "(cp -L) if you trust it")
     try:
-        st = os.stat(real)
+        st = os.stat(os.path.join(base, location))  # as readers join it: "w.data/" is not the file w.data
     except OSError:
         raise InputError(f"{said}: the file is missing; put it next to the model") from None
     if not os.path.isfile(real):
