@@ -418,7 +418,30 @@ def run_case(seeds, case: int, root: Path, subprocess_run: bool = False) -> tupl
     return what, code, broken
 
 
+#: address space for the campaign: a mutant that makes some step allocate from a declared size fails that case
+#: (MemoryError, exit 3: a finding) instead of having the machine's OOM killer end the whole run
+_MEMORY_LIMIT = 8 << 30
+
+
+@contextlib.contextmanager
+def _memory_limited():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = _MEMORY_LIMIT if hard == resource.RLIM_INFINITY else min(_MEMORY_LIMIT, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def campaign(seeds, cases, base: Path) -> tuple[collections.Counter, list[str], float]:
+    with _memory_limited():
+        return _campaign(seeds, cases, base)
+
+
+def _campaign(seeds, cases, base: Path) -> tuple[collections.Counter, list[str], float]:
     exits, failures, start = collections.Counter(), [], time.perf_counter()
     for case in cases:
         root = base / f"c{case}"
@@ -426,14 +449,10 @@ def campaign(seeds, cases, base: Path) -> tuple[collections.Counter, list[str], 
         what, code, broken = run_case(seeds, case, root)
         exits[code] += 1
         if broken:
-            failures.append(f"{what} {options_note(root)}: {'; '.join(broken)}")
+            failures.append(f"{what} (kept in {root}): {'; '.join(broken)}")
         else:
             shutil.rmtree(root, ignore_errors=True)
     return exits, failures, time.perf_counter() - start
-
-
-def options_note(root: Path) -> str:
-    return f"(kept in {root})"
 
 
 @pytest.fixture(scope="module")
