@@ -18,7 +18,7 @@ import onnx_ir as ir
 from lnfuse import io
 from lnfuse.engine import Options, fuse_model
 from lnfuse.provenance import mark_model
-from lnfuse.errors import UsageError
+from lnfuse.errors import InputError, UsageError
 from lnfuse.report import Report
 from lnfuse.rule import Rule
 from lnfuse.rules import all_rules
@@ -188,7 +188,13 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
         return loaded, report
     upgraded.declared_value_info = loaded.declared_value_info
     upgraded_report = _run(upgraded, options, source)
-    check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs)
+    try:
+        check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs,
+                               base_dir=loaded.path.parent if loaded.path else None, option="--upgrade-opset")
+    except InputError as error:
+        # the upgrade is kept only if the whole model is proven to agree; unproven, the model keeps its opset
+        report.notes.append(f"kept opset {loaded.model.opset_imports.get('')}: {error}")
+        return loaded, report
     if not check["ok"]:
         report.notes.append(f"--upgrade-opset: the model upgraded to opset {needed} no longer agrees with the "
                             f"original ({check['summary']}); kept the original opset")
