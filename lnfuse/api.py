@@ -16,7 +16,7 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse import io
-from lnfuse.engine import Options, fuse_model
+from lnfuse.engine import Options, fuse_model, nodes_of, type_new_values
 from lnfuse.errors import UsageError
 from lnfuse.report import Report
 from lnfuse.rule import Rule
@@ -145,7 +145,9 @@ def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
     if loaded.shape_inference_error:
         report.notes.append(f"shape inference failed ({loaded.shape_inference_error}); checks that need shapes "
                             "refuse where shapes are unknown")
+    before = nodes_of(loaded.model)
     fuse_model(loaded.model, options, report)
+    loaded.declared_value_info |= type_new_values(loaded.model, before)
     report.ops_after = _op_counts(loaded.model)
     _note_runtime_ops(loaded.model, report)
     opset_refusals = [u for u in report.unfused if u.check == "opset"]
@@ -181,7 +183,9 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
 def _quantize(loaded: io.Loaded, report: Report, scheme: str) -> None:
     float_model = ir.serde.serialize_model(loaded.model)
     names = {v.name for n in loaded.model.graph for v in n.outputs} | set(loaded.model.graph.initializers)
+    before = nodes_of(loaded.model)
     count = quantize_embeddings(loaded.model, scheme, names, report)
+    loaded.declared_value_info |= type_new_values(loaded.model, before)
     if count:
         check = accuracy(float_model, ir.serde.serialize_model(loaded.model))
         report.notes.append(f"quantized {count} embedding block(s) to {scheme}; against the float model on random "

@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from lnfuse import io
 from lnfuse.constants import static_value
-from lnfuse.engine import apply, cleanup, scopes, _all_names
+from lnfuse.engine import apply, cleanup, nodes_of, scopes, type_new_values, _all_names
 from lnfuse.pattern import attr_value
 from lnfuse.report import Fused, Report, Unfused
 from lnfuse.rule import GraphContext, Refusal, Replacement
@@ -57,6 +57,7 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
     report = Report(source=str(loaded.path or "<model>"), target="onnx", verified=verify_rewrites)
     report.ops_before = _op_counts(loaded.model)
     names = _all_names(loaded.model)
+    before = nodes_of(loaded.model)
     for scope in scopes(loaded.model):
         ctx = GraphContext(scope.graph, scope.opset, "onnx", scope.path, names)
         done = []
@@ -88,7 +89,7 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
             n.domain == "com.microsoft" for n in ir.traversal.RecursiveGraphIterator(loaded.model.graph)):
         del loaded.model.opset_imports["com.microsoft"]
     report.ops_after = _op_counts(loaded.model)
-    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info | type_new_values(loaded.model, before))
     report.seconds = time.perf_counter() - start
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)
 
@@ -231,6 +232,13 @@ def _lower(body: ir.Graph, opset: int) -> None:
             tensor = ir.convenience.get_const_tensor(node.outputs[0])
             node.attributes.clear()
             node.attributes["value"] = ir.AttrTensor("value", tensor)
+        if node.op_type == "Range" and all(static_value(v) is not None for v in node.inputs):
+            # the references compute axes as Range(axis, 0, 1); onnx's inference reads axes only from a constant
+            start, limit, delta = (static_value(v) for v in node.inputs)
+            node.op_type = "Constant"
+            node.resize_inputs(0)
+            node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.arange(start, limit, delta)))
+            continue
         if node.op_type == "CastLike":
             target = node.inputs[1].dtype
             node.resize_inputs(1)

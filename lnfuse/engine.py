@@ -11,12 +11,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import onnx
 import onnx_ir as ir
 
 from lnfuse.canonical import canonicalize
 from lnfuse.pattern import Match
 from lnfuse.report import Fused, Report, Unfused
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
+from lnfuse.shapes import infer_shapes
 from lnfuse.verify import verify
 
 #: match attempts per root node; commuted operands make a few, a pathological graph must not make thousands
@@ -390,3 +392,83 @@ def _all_names(model: ir.Model) -> set[str]:
             names.update(v.name for v in node.inputs if v is not None)
     names.update(model.graph.initializers)
     return names
+
+
+def nodes_of(model: ir.Model) -> set[ir.Node]:
+    """Every node of the model, subgraphs and functions included (what was there before a rewrite)."""
+    return {node for graph in [model.graph, *model.functions.values()]
+            for node in ir.traversal.RecursiveGraphIterator(graph)}
+
+
+def type_new_values(model: ir.Model, before: set[ir.Node]) -> set[str]:
+    """Give every value lnfuse wrote (the outputs of nodes not in ``before``) its dtype and shape, and return their
+    names: the saved model declares them, so that a later pass (decompose, ORT, onnx's inference) sees a fully
+    typed graph. Rules type what they can from the values they replace; the rest is inferred here, node by node
+    with onnx's inference for standard ops, and with ONNX Runtime's symbolic inference for its contrib ops."""
+    names: set[str] = set()
+    for graph in [model.graph, *model.functions.values()]:
+        opsets = {**model.opset_imports, **(graph.opset_imports if isinstance(graph, ir.Function) else {})}
+        new = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n not in before]
+        untyped = []
+        for node in new:
+            if any(_untyped(v) for v in node.outputs) and not _infer_node(node, opsets, model.ir_version):
+                untyped.append(node)
+        if untyped:
+            _infer_contrib(untyped, opsets, model.ir_version)
+        names.update(v.name for n in new for v in n.outputs if v.name and not _untyped(v))
+    return names
+
+
+def _untyped(value: ir.Value) -> bool:
+    return bool(value.name) and (value.type is None or value.shape is None)
+
+
+def _infer_node(node: ir.Node, opsets: dict[str, int], ir_version: int) -> bool:
+    """Type the node's outputs with onnx's own inference for its op; False where onnx has no schema for it."""
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
+    except onnx.defs.SchemaError:
+        return False
+    known = [v for v in node.inputs if v is not None and v.type is not None]
+    types = {v.name: ir.serde.serialize_value(v).type for v in known}
+    data = {v.name: ir.serde.serialize_tensor(v.const_value) for v in known
+            if v.const_value is not None and v.shape is not None and v.shape.is_static()
+            and math.prod(v.shape.numpy()) <= 64}
+    try:
+        inferred = onnx.shape_inference.infer_node_outputs(
+            schema, ir.serde.serialize_node(node), types, data,
+            opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()], ir_version=ir_version)
+    except Exception:  # noqa: BLE001 - onnx raises several types; the value stays untyped and the test says so
+        return True
+    for value in node.outputs:
+        _set_type(value, inferred.get(value.name))
+    return True
+
+
+def _infer_contrib(nodes: list[ir.Node], opsets: dict[str, int], ir_version: int) -> None:
+    """ONNX Runtime's symbolic inference on a small graph of just these nodes, their inputs as typed inputs."""
+    produced = {v for n in nodes for v in n.outputs}
+    inputs = {v.name: v for n in nodes for v in n.inputs if v is not None and v not in produced}
+    if any(v.type is None or v.shape is None for v in inputs.values()):
+        return
+    graph = onnx.helper.make_graph(
+        [ir.serde.serialize_node(n) for n in nodes], "lnfuse_types",
+        [ir.serde.serialize_value(v) for v in inputs.values()],
+        [onnx.helper.make_value_info(v.name, onnx.TypeProto()) for v in produced if v.name])
+    probe = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()])
+    probe.ir_version = ir_version
+    inferred, _ = infer_shapes(probe)
+    found = {v.name: v.type for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    for value in produced:
+        if _untyped(value):
+            _set_type(value, found.get(value.name))
+
+
+def _set_type(value: ir.Value, type_proto: onnx.TypeProto | None) -> None:
+    if type_proto is None or not type_proto.tensor_type.elem_type:
+        return
+    if value.type is None:
+        value.type = ir.serde.deserialize_type_proto_for_type(type_proto)
+    if value.shape is None and type_proto.tensor_type.HasField("shape"):
+        value.shape = ir.serde.deserialize_type_proto_for_shape(type_proto)
