@@ -94,6 +94,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
     stage(0.0, "reading and checking the model")
     with _cycle_collection_paused():
         loaded = io.load(model)
+        folder = anchor(loaded)
         source = str(loaded.path) if loaded.path is not None else "<model>"
         original = ir.serde.serialize_model(loaded.model) if (verify_model or upgrade_opset) else None
         report = _run(loaded, options, source)
@@ -104,11 +105,33 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
         if verify_model:
             stage(0.85, "running the whole original and fused models")
             report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
-                                                base_dir=loaded.path.parent if loaded.path else None)
+                                                base_dir=folder)
         io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
     report.seconds = time.perf_counter() - start
     stage(1.0, "")
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)
+
+
+def anchor(loaded: io.Loaded, folder: Path | None = None) -> Path | None:
+    """Resolve once the folder that anchors the model's external data, and point its tensors there: the input's
+    folder (whatever the working directory, now or later), or ``folder`` for a model lnfuse made from the input
+    (the upgraded one, re-read from a proto whose data references are relative). Returns the folder."""
+    if folder is None and loaded.path is not None:
+        folder = loaded.path.parent.resolve()
+    if folder is None:
+        folder = _tensor_folder(loaded.model)
+    if folder is not None:
+        ir.external_data.set_base_dir(loaded.model.graph, folder)
+    return folder
+
+
+def _tensor_folder(model: ir.Model) -> Path | None:
+    """Where an in-memory model's external tensors were read from, if they say."""
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and tensor.base_dir:
+            return Path(tensor.base_dir).resolve()
+    return None
 
 
 @contextlib.contextmanager
@@ -164,13 +187,14 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     try:
         converted = onnx.version_converter.convert_version(original, needed)
         upgraded = io.load(converted)
+        anchor(upgraded, anchor(loaded))
     except Exception as error:  # noqa: BLE001 - the converter raises many types; the report says why
         report.notes.append(f"--upgrade-opset: onnx's version converter could not reach opset {needed} "
                             f"({str(error).splitlines()[0][:200]}); the model keeps its opset")
         return loaded, report
     upgraded.declared_value_info = loaded.declared_value_info
     upgraded_report = _run(upgraded, options, source)
-    check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs)
+    check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs, base_dir=anchor(loaded))
     if not check["ok"]:
         report.notes.append(f"--upgrade-opset: the model upgraded to opset {needed} no longer agrees with the "
                             f"original ({check['summary']}); kept the original opset")

@@ -130,7 +130,7 @@ class _Region:
         for value in self.inputs:
             if value.shape is None or value.type is None:
                 raise Unverifiable(f"the shape or dtype of '{value.name}' is unknown")
-            shape = _concrete(value.shape, dims, value.name if value.is_graph_input() else None)
+            shape = _concrete(_named_input_dims(value), dims)
             if value in self.shapes_of:
                 # the shape of a value the region computes: the concrete sizes the other inputs were given
                 node = self.shapes_of[value]
@@ -209,12 +209,18 @@ def _shared_context(old_reads: list[ir.Value], new_reads: list[ir.Value], produc
     return (prelude if len(prelude) <= _MAX_PRELUDE else []), context
 
 
-def _concrete(shape: ir.Shape, sizes: dict[str, int], graph_input: str | None = None) -> list[int]:
-    """Concrete sizes for a shape. A graph input's unnamed dim is called what ORT's symbolic inference calls it
-    in the values computed from it (``input_ids_d1``), so that the two get the same size."""
+def _concrete(shape: ir.Shape, sizes: dict[str, int]) -> list[int]:
     return [d if isinstance(d, int) else
-            _size(str(d) if d is not None and d.value is not None else
-                  f"{graph_input}_d{i}" if graph_input else f"?{len(sizes)}", sizes) for i, d in enumerate(shape)]
+            _size(str(d) if d is not None and d.value is not None else f"?{len(sizes)}", sizes) for d in shape]
+
+
+def _named_input_dims(value: ir.Value) -> ir.Shape:
+    """A graph input's unnamed dims, called what ORT's symbolic inference calls them in the values computed from
+    the input (``input_ids_d1``), so that the input and those values get the same sizes."""
+    if not value.is_graph_input():
+        return value.shape
+    return ir.Shape([d if isinstance(d, int) or d.value is not None else f"{value.name}_d{i}"
+                     for i, d in enumerate(value.shape)])
 
 
 def _size(name: str, sizes: dict[str, int]) -> int:
