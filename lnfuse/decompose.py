@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from lnfuse import io
 from lnfuse.constants import static_value
-from lnfuse.engine import apply, cleanup, scopes, _all_names
+from lnfuse.engine import apply, cleanup, nodes_of, scopes, type_new_values, _all_names
 from lnfuse.pattern import attr_value
 from lnfuse.provenance import mark_decomposed
 from lnfuse.report import Fused, Report, Unfused
@@ -53,13 +53,15 @@ _INVERSES: dict[tuple[str, str], _Inverse] = {
 
 def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
     """Replace every fused norm op by primitive ONNX ops; returns a ``FuseResult`` whose report lists them."""
-    from lnfuse.api import FuseResult, _op_counts
+    from lnfuse.api import FuseResult, _op_counts, anchor
 
     start = time.perf_counter()
     loaded = io.load(model)
+    anchor(loaded)
     report = Report(source=str(loaded.path or "<model>"), target="onnx", verified=verify_rewrites)
     report.ops_before = _op_counts(loaded.model)
     names = _all_names(loaded.model)
+    before = nodes_of(loaded.model)
     for scope in scopes(loaded.model):
         ctx = GraphContext(scope.graph, scope.opset, "onnx", scope.path, names)
         done = []
@@ -91,7 +93,7 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
             n.domain == "com.microsoft" for n in ir.traversal.RecursiveGraphIterator(loaded.model.graph)):
         del loaded.model.opset_imports["com.microsoft"]
     report.ops_after = _op_counts(loaded.model)
-    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info | type_new_values(loaded.model, before))
     mark_decomposed(loaded.model, report, verify_rewrites)
     report.seconds = time.perf_counter() - start
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)
@@ -235,6 +237,13 @@ def _lower(body: ir.Graph, opset: int) -> None:
             tensor = ir.convenience.get_const_tensor(node.outputs[0])
             node.attributes.clear()
             node.attributes["value"] = ir.AttrTensor("value", tensor)
+        if node.op_type == "Range" and all(static_value(v) is not None for v in node.inputs):
+            # the references compute axes as Range(axis, 0, 1); onnx's inference reads axes only from a constant
+            start, limit, delta = (static_value(v) for v in node.inputs)
+            node.op_type = "Constant"
+            node.resize_inputs(0)
+            node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.arange(start, limit, delta)))
+            continue
         if node.op_type == "CastLike":
             target = node.inputs[1].dtype
             node.resize_inputs(1)

@@ -46,6 +46,9 @@ def quantize_embeddings(model: ir.Model, scheme: str, names: set[str], report: R
                 graph.register_initializer(value)
         old_out = node.outputs[0]
         fused.outputs[0].type, fused.outputs[0].shape = old_out.type, old_out.shape
+        # mask_index: one int32 per sequence (the kernel's contract), typed like every value lnfuse writes
+        fused.outputs[1].type = ir.TensorType(ir.DataType.INT32)
+        fused.outputs[1].shape = ir.Shape([ids.shape[0]]) if ids.shape is not None else None
         if len(node.outputs) > 1 and (node.outputs[1].uses() or node.outputs[1].is_graph_output()):
             node.outputs[1].replace_all_uses_with(fused.outputs[1], replace_graph_outputs=True)
         graph.insert_after(node, [fused])

@@ -202,7 +202,7 @@ class _Region:
 
     def _shape(self, value: ir.Value) -> ir.Shape:
         if value.shape is not None:
-            return value.shape
+            return _named_input_dims(value)
         guess = _guessed_shape(self.rep)
         if guess is None:
             raise Unverifiable(f"the shape of '{value.name}' is unknown, and the fused op does not imply one")
@@ -328,6 +328,15 @@ def _guessed_shape(rep: Replacement) -> ir.Shape | None:
     axis = attr_value(node, "axis", -1) if _ROW_WISE[node.op_type] == "axis" else -1
     leading = axis if axis >= 0 else 2
     return ir.Shape([2, 3, 4, 5][:leading] + list(scale.shape))
+
+
+def _named_input_dims(value: ir.Value) -> ir.Shape:
+    """A graph input's unnamed dims, called what ORT's symbolic inference calls them in the values computed from
+    the input (``input_ids_d1``), so that the input and those values get the same sizes."""
+    if not value.is_graph_input():
+        return value.shape
+    return ir.Shape([d if isinstance(d, int) or d.value is not None else f"{value.name}_d{i}"
+                     for i, d in enumerate(value.shape)])
 
 
 def dim_size(name: str, sizes: dict[str, int]) -> int:
