@@ -22,6 +22,7 @@ from lnfuse.report import Report
 from lnfuse.rule import Rule
 from lnfuse.rules import all_rules
 from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
+from lnfuse.quantized_norms import quantized_norms
 from lnfuse.whole_model import compare_models
 
 TARGETS = ("ort", "onnx")
@@ -146,6 +147,7 @@ def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
         report.notes.append(f"shape inference failed ({loaded.shape_inference_error}); checks that need shapes "
                             "refuse where shapes are unknown")
     fuse_model(loaded.model, options, report)
+    report.unfused.extend(quantized_norms(loaded.model, report))
     report.ops_after = _op_counts(loaded.model)
     _note_runtime_ops(loaded.model, report)
     opset_refusals = [u for u in report.unfused if u.check == "opset"]
