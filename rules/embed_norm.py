@@ -19,7 +19,7 @@ import onnx_ir as ir
 from onnxscript import script
 from onnxscript import opset18 as op
 
-from lnfuse.constants import static_value
+from lnfuse.constants import is_static, static_value
 from lnfuse.pattern import Either, Match, Op, Var, attr_value
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from ._common import dtype_of, node_name, read_outside
@@ -61,15 +61,27 @@ def _lookup(i: int) -> Either:
     return Either(Op("DequantizeLinear", gather, Var(f"scale{i}"), Var(f"zero{i}"), name=f"dq{i}"), gather)
 
 
+def _stored_constant(value: ir.Value) -> bool:
+    """An initializer or a Constant node: a term already folded, not a lookup of constant ids (whose table the rule
+    would have to read)."""
+    producer = value.producer()
+    return is_static(value) and (producer is None or producer.op_type == "Constant")
+
+
+def _term(i: int) -> Either:
+    # a static-shape export folds the position lookup of 0..S-1 into a constant [1, S, H] (or [S, H]) term
+    return Either(_lookup(i), Var(f"folded{i}", _stored_constant))
+
+
 _SUM = Either(
-    Op("Add", Op("Add", _lookup(0), _lookup(1), name="add_inner"), _lookup(2), name="add"),
-    Op("Add", _lookup(0), _lookup(1), name="add"),
+    Op("Add", Op("Add", _term(0), _term(1), name="add_inner"), _term(2), name="add"),
+    Op("Add", _term(0), _term(1), name="add"),
 )
 
 
 @dataclass
 class _Lookup:
-    gather: ir.Node
+    gather: ir.Node | None  # None for a position term folded to a constant
     table: ir.Value
     ids: ir.Value
     kind: str  # "arange" (0..S-1), "row" ((1,S) ids), "full" ((B,S) ids), or "" (none of these)
@@ -96,6 +108,10 @@ class EmbedNorm(Rule):
             raise Refusal("dtype", f"the kernel takes float32/float16 with a known hidden size, not {dtype} "
                           f"[..., {hidden}]")
         lookups = [_classify(m, i, ctx) for i in range(3) if m.node(f"gather{i}") is not None]
+        folded = [m.value(f"folded{i}") for i in range(3) if m.value(f"folded{i}") is not None]
+        if len(folded) > 1:
+            raise Refusal("terms", "the embedding sum has more than one constant term")
+        lookups += [_folded_positions(ctx, value, s) for value in folded]
         word, position, segment = _roles(lookups)
         for lookup in lookups:
             _check_table(lookup, hidden, dtype)
@@ -203,6 +219,23 @@ def _classify(m: Match, i: int, ctx: GraphContext) -> _Lookup:
         # min(rows, S), which is S wherever the graph runs (else the Add cannot broadcast), so it is 0..S-1
         kind = "arange"
     return _Lookup(gather, table, ids, kind, dequantized=dq is not None)
+
+
+def _folded_positions(ctx: GraphContext, value: ir.Value, s: ir.Value) -> _Lookup:
+    """A constant term P of shape [S, H], [1, S, H] or [B, S, H] with B equal rows, added to a sum of the sum's own
+    (fixed) shape, is the lookup of rows 0..S-1 of the table P[..., :, :] (the kernel's default positions). The
+    shape must be the sum's own: a constant that broadcasts the ids' batch or sequence would not be a lookup."""
+    array = value.const_value.numpy() if value.const_value is not None else static_value(value)
+    dims = list(s.shape)
+    if array is None or array.ndim not in (2, 3) or list(array.shape[-2:]) != dims[1:] or \
+            (array.ndim == 3 and array.shape[0] not in (1, dims[0])):
+        raise Refusal("terms", f"the constant term '{value.name}' of the embedding sum is not a position term of "
+                      f"the sum's shape {dims}")
+    rows = array.reshape(-1, *array.shape[-2:])
+    if not np.array_equal(rows, np.broadcast_to(rows[:1], rows.shape)):
+        raise Refusal("terms", f"the constant term '{value.name}' differs between batch rows; it is not a lookup")
+    table = ctx.constant(np.ascontiguousarray(rows[0]), f"{value.name}_as_positions")
+    return _Lookup(None, table, table, "arange")
 
 
 def _dequantize_table(ctx: GraphContext, dq: ir.Node, table: ir.Value) -> ir.Value:

@@ -53,8 +53,6 @@ AFTER_ALGEBRA = {"layer_norm_shared_input", "layer_norm_with_cast_2", "layer_nor
 
 #: where lnfuse stops short of ORT's count, and why (each asserted below as what lnfuse does instead)
 NOT_AS_ORT = {
-    # the position term is a [2, 3, 4] constant with equal batch rows, not a lookup
-    "embed_layer_norm_format5": _SKIP, "embed_layer_norm_format5_opset13": _SKIP,
     # the model cannot run: its fixed sequence length 3 reads row 2 of a 2-row position table
     "embed_layer_norm_format7": _LN, "embed_layer_norm_format7_opset13": _LN,
     # 0..S-1 positions into a 2-row table: verification runs the region at sequence length 3, which the original
@@ -111,6 +109,11 @@ def test_accepted_as_written_and_exact(case: str):
         assert counts[NOT_AS_ORT[case]] == 1
     elif case not in AFTER_ALGEBRA:
         _at_least(counts, EXPECTED[case])
+    if case.startswith("embed_layer_norm_format5"):
+        # ORT's test: the folded [2, 3, 4] position term becomes the position table, one batch row of it
+        embed = next(n for n in fused.graph.node if n.op_type == _EMBED)
+        table = next(t for t in fused.graph.initializer if t.name == embed.input[3])
+        assert onnx.numpy_helper.to_array(table).reshape(-1).tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 8, 7, 6]
     seq = 2  # the DistilBERT-style tables have 2 position rows
     if case.startswith("embed_layer_norm_format7"):
         with pytest.raises(Exception, match="out of data bounds|out of range"):
