@@ -84,11 +84,15 @@ def main() -> None:
         quantize_static(fp32, qdq, _Calibration(), quant_format=QuantFormat.QDQ,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
     for path in (dynamic, qdq):
-        model = onnx.load(path)
-        model.ir_version = min(model.ir_version, 10)  # readable by older ONNX Runtime releases too
-        onnx.checker.check_model(model, full_check=True)
-        onnx.save(model, path)
-        print(f"wrote {path.name} ({path.stat().st_size // 1024} KB)")
+        save_checked(onnx.load(path), path)
+
+
+def save_checked(model: onnx.ModelProto, path: Path) -> None:
+    """Save a sample after the full check, at an IR version older ONNX Runtime releases read too."""
+    model.ir_version = min(model.ir_version, 10)
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, path)
+    print(f"wrote {path.name} ({path.stat().st_size // 1024} KB)")
 
 
 if __name__ == "__main__":
