@@ -46,6 +46,7 @@ def test_dynamic_int8_lookups_become_one_exact_embed_norm():
             "the kernel reads the int8 tables dequantized, exactly"
     notes = [note for f in result.report.fused if f.op_type == "EmbedLayerNormalization" for note in f.notes]
     assert any("QEmbedLayerNormalization" in note and "gamma and beta" in note for note in notes), notes
+    assert "QEmbedLayerNormalization is not written" in result.report.explain(), "explain says which and why"
 
 
 def test_quantize_embeddings_keeps_the_quantized_tables_and_measures_the_rest():
