@@ -24,6 +24,7 @@ from lnfuse.rule import Rule
 from lnfuse.rules import all_rules
 from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
 from lnfuse.targets import TARGETS
+from lnfuse.quantized_norms import quantized_norms
 from lnfuse.whole_model import compare_models
 
 if TYPE_CHECKING:  # only for the annotation: lnfuse never imports torch
@@ -191,6 +192,7 @@ def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
     before = nodes_of(loaded.model)
     fuse_model(loaded.model, options, report)
     loaded.declared_value_info |= type_new_values(loaded.model, before)
+    report.unfused.extend(quantized_norms(loaded.model, report))
     report.ops_after = _op_counts(loaded.model)
     _note_runtime_ops(loaded.model, report)
     opset_refusals = [u for u in report.unfused if u.check == "opset"]

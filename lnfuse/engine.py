@@ -306,7 +306,7 @@ def _record_fused(c: _Candidate, scope: Scope, error: float | None, report: Repo
     record = Fused(
         rule=c.rule.name, op_type=rep.op_type, graph=scope.path, nodes=[_label(n) for n in rep.region],
         attributes=rep.attributes, max_error=None if error is None or math.isnan(error) else error,
-        outputs=[old.name for old in rep.outputs], notes=c.notes)
+        outputs=[old.name for old in rep.outputs], notes=c.notes + rep.notes)
     report.fused.append(record)
     mark_fused(rep.nodes, rep.region, record)
 

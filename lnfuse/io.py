@@ -27,6 +27,7 @@ from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.repair import repair
 from lnfuse.shapes import infer_function_types, infer_shapes
 
+
 @dataclass
 class Loaded:
     model: ir.Model

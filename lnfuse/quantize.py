@@ -75,13 +75,36 @@ def _ineligible(node: ir.Node) -> str:
         return "its embedding_sum output is read, which QEmbedLayerNormalization does not produce"
     if node.outputs[0].dtype != ir.DataType.FLOAT:
         return f"it computes in {node.outputs[0].dtype}; QEmbedLayerNormalization has a float32 kernel only"
-    if any(v is not None and static_value(v) is None for v in inputs[2:7]):
+    if any(v is not None and static_value(v) is None and _per_tensor(v) is None for v in inputs[2:7]):
         return "its tables, gamma or beta are not constants"
     return ""
 
 
+def _per_tensor(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """(q, scale, zero_point) when ``value`` is DequantizeLinear of a constant int8/uint8 tensor with one scale and
+    one zero point (a table quantize_dynamic quantized), else None."""
+    node = value.producer()
+    if node is None or node.op_type != "DequantizeLinear" or len(node.inputs) < 3 or node.inputs[2] is None:
+        return None
+    q, scale, zero = node.inputs[:3]
+    if q.const_value is None or q.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or zero.dtype != q.dtype:
+        return None
+    if any(static_value(v) is None or static_value(v).size != 1 for v in (scale, zero)):
+        return None
+    return q, scale, zero
+
+
 def _quantize(ctx: GraphContext, value: ir.Value, scheme: str) -> tuple[ir.Value, ir.Value, ir.Value]:
-    data = static_value(value).astype(np.float32)
+    quantized = _per_tensor(value)
+    wanted = ir.DataType.INT8 if scheme == "int8" else ir.DataType.UINT8
+    if quantized is not None and quantized[0].dtype == wanted:
+        return quantized  # already quantized per tensor in the scheme's type: kept as it is, exactly
+    if quantized is not None:
+        q, scale, zero = quantized
+        data = (q.const_value.numpy().astype(np.float32) - static_value(zero).astype(np.float32)) * \
+            static_value(scale).astype(np.float32)
+    else:
+        data = static_value(value).astype(np.float32)
     if scheme == "int8":
         scale = float(np.abs(data).max()) / 127 or 1.0
         zero = 0
@@ -106,6 +129,10 @@ def _valid_ids(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     feeds = random_inputs(model, seed=7)
     rows = {t.name: t.dims[0] for t in model.graph.initializer if len(t.dims) == 2}
     producers = {o: n for n in model.graph.node for o in n.output}
+    for output, node in producers.items():
+        # a table dequantized per tensor has the rows of the quantized table it reads
+        if node.op_type == "DequantizeLinear" and node.input[0] in rows:
+            rows[output] = rows[node.input[0]]
     rng = np.random.default_rng(7)
     for node in model.graph.node:
         tables = {"Gather": [(0, 1)], "EmbedLayerNormalization": [(2, 0), (4, 1), (3, 8)]}.get(node.op_type, [])

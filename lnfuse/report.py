@@ -131,6 +131,7 @@ class Report:
             attrs = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in f.attributes.items())
             err = "" if f.max_error is None else f"; verified, max error {f.max_error:.2e}"
             lines.append(f"FUSED   {f.graph}: {f.op_type}({attrs}) from {', '.join(f.nodes)}{err}")
+            lines.extend(f"        note: {note}" for note in f.notes)
         for u in self.unfused:
             lines.append(f"LEFT    {u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
             if verbose:
