@@ -62,12 +62,12 @@ def reduced_count(m: Match, name: str) -> int:
     return int(np.prod(dims))
 
 
-def check_mean_scale(scale: float, m: Match, name: str, what: str) -> None:
+def check_mean_scale(scale: float, m: Match, name: str, what: str, check: str = "mean") -> None:
     """``scale * reduction`` must be the mean: 1 for ReduceMean, 1/N for a ReduceSum of N elements."""
     count = reduced_count(m, name)
     if abs(scale * count - 1) > 1e-6:
         node = m.node(name)
-        raise Refusal(what, f"{node.op_type} '{node.name}' of {count} element(s) is scaled by {scale:.6g}: "
+        raise Refusal(check, f"{node.op_type} '{node.name}' of {count} element(s) is scaled by {scale:.6g}: "
                       f"{what} needs {1 / count:.6g}")
 
 

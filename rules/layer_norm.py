@@ -162,7 +162,7 @@ def check_centring(m: Match) -> None:
         if x_fact == "dsq_x" and abs(abs(x_scale) - 1) > 1e-6:
             raise Refusal("mean", f"{what} scales x by {x_scale:g}")
         check_mean_scale(float(m.fact(mean_fact)) / x_scale, m, "mean", f"{what} (x - mean)")
-    check_mean_scale(float(m.fact("var_scale", 1.0)), m, "var", "the variance")
+    check_mean_scale(float(m.fact("var_scale", 1.0)), m, "var", "the variance", "variance")
     if m.fact("msq_scale") is not None:
         check_mean_scale(float(m.fact("msq_scale")) ** 0.5, m, "mean", "the squared mean")
 

@@ -47,7 +47,7 @@ class RmsNorm(Rule):
         axes = agreed_axes(m, ("var",))
         channel = channel_axis(axes, m.node("var"))
         k = 1 if channel is not None else trailing_axes(axes, m.node("var"))
-        check_mean_scale(float(m.fact("var_scale", 1.0)), m, "var", "the mean square")
+        check_mean_scale(float(m.fact("var_scale", 1.0)), m, "var", "the mean square", "variance")
         eps = epsilon(m)
         check_exponent(m, "sq", 2.0)
         check_inverse(m)
