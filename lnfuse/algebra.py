@@ -29,8 +29,8 @@ import onnx_ir as ir
 from lnfuse.constants import is_static, static_value
 
 CHAIN = frozenset({"Add", "Sub", "Neg", "Mul", "Div", "Reciprocal", "Pow", "Sqrt", "Identity"})
-#: ops whose result is a power of their input alone (seen through when a factor is matched)
-POWERS = frozenset({"Sqrt", "Reciprocal", "Pow", "Div"})
+#: ops whose result is a multiple of a power of one input (seen through when a factor is matched)
+POWERS = frozenset({"Sqrt", "Reciprocal", "Pow", "Div", "Mul", "Neg"})
 _MAX_TERMS = 8
 _MAX_CHAIN = 48
 _KEY_DEPTH = 4
@@ -67,20 +67,33 @@ def expand(value: ir.Value) -> Expansion:
     return Expansion(tuple(terms), tuple(nodes))
 
 
-def power_view(value: ir.Value) -> tuple[ir.Value, Fraction, ir.Node] | None:
-    """``(base, p, node)`` when ``value`` is ``base ** p`` by one node (Sqrt, Reciprocal, Pow, Div(1, base))."""
+def power_view(value: ir.Value) -> tuple[ir.Value, Fraction, float, ir.Node] | None:
+    """``(base, p, c, node)`` when ``value`` is ``c * base ** p`` by one node: Sqrt, Reciprocal, Pow, Div(1, base),
+    Neg, or a product or quotient with a one-element constant (``ReduceSum(x) / N``)."""
     node = value.producer()
     if node is None or not _is_onnx(node) or node.op_type not in POWERS or node.outputs[0] is not value:
         return None
+    ins = node.inputs
     if node.op_type == "Sqrt":
-        return node.inputs[0], Fraction(1, 2), node
+        return ins[0], Fraction(1, 2), 1.0, node
     if node.op_type == "Reciprocal":
-        return node.inputs[0], Fraction(-1), node
+        return ins[0], Fraction(-1), 1.0, node
+    if node.op_type == "Neg":
+        return ins[0], Fraction(1), -1.0, node
     if node.op_type == "Pow":
-        p = _scalar(node.inputs[1], node)
-        return (node.inputs[0], p, node) if p is not None else None
-    one = _scalar(node.inputs[0], node)
-    return (node.inputs[1], Fraction(-1), node) if one == 1 else None
+        p = _scalar(ins[1], node)
+        return (ins[0], p, 1.0, node) if p is not None else None
+    if node.op_type == "Mul":
+        for i in (0, 1):
+            c = _scalar(ins[i], node)
+            if c is not None:
+                return ins[1 - i], Fraction(1), float(c), node
+        return None
+    c = _scalar(ins[1], node)
+    if c is not None and c != 0:
+        return ins[0], Fraction(1), 1.0 / float(c), node
+    c = _scalar(ins[0], node)
+    return (ins[1], Fraction(-1), float(c), node) if c is not None else None
 
 
 def power_ok(e: Fraction, p: Fraction) -> bool:

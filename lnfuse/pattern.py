@@ -231,8 +231,8 @@ def _assign_terms(pattern: list[Mono], terms: list, m: Match) -> Iterator[Match]
     for i, term in enumerate(terms):
         if len(term.factors) != len(head.factors):
             continue
-        for found in _assign_factors(list(head.factors), list(term.factors), m):
-            found = _coefficient(head, term.coef, found)
+        for found, coef in _assign_factors(list(head.factors), list(term.factors), m, term.coef):
+            found = _coefficient(head, coef, found)
             if found is not None:
                 yield from _assign_terms(rest, terms[:i] + terms[i + 1:], found)
 
@@ -247,13 +247,15 @@ def _coefficient(p: Mono, coef: float, m: Match) -> Match | None:
     return m if abs(ratio - bound) <= 1e-6 * max(1.0, abs(bound)) else None
 
 
-def _assign_factors(pattern: list, factors: list, m: Match) -> Iterator[Match]:
+def _assign_factors(pattern: list, factors: list, m: Match, coef: float) -> Iterator[tuple[Match, float]]:
+    """Each pattern factor matched to one graph factor (seen through the scalings and powers that compute it);
+    yields the match and the monomial's coefficient with what the views took out of the factors."""
     if not pattern:
-        yield m
+        yield m, coef
         return
     (leaf, exponent), rest = pattern[0], pattern[1:]
     for i, factor in enumerate(factors):
-        for value, power, nodes in _views(factor.value, factor.exponent):
+        for value, power, nodes, c in _views(factor.value, factor.exponent):
             if isinstance(exponent, Fraction):
                 if power != exponent:
                     continue
@@ -266,19 +268,25 @@ def _assign_factors(pattern: list, factors: list, m: Match) -> Iterator[Match]:
             bound = bound.add_nodes(nodes)
             for found in leaf.match(value, bound):
                 for twinned in _match_twins(leaf, factor.twins, found):
-                    yield from _assign_factors(rest, factors[:i] + factors[i + 1:], twinned)
+                    yield from _assign_factors(rest, factors[:i] + factors[i + 1:], twinned, coef * c)
 
 
-def _views(value: ir.Value, exponent: Fraction) -> Iterator[tuple[ir.Value, Fraction, tuple]]:
-    """``value ** exponent``, then the same seen through the powers that compute value (``Sqrt(v)**-1`` is
-    ``v**-0.5``) when an intermediate of the chain is read elsewhere and so was not expanded."""
+def _views(value: ir.Value, exponent: Fraction) -> Iterator[tuple[ir.Value, Fraction, tuple, float]]:
+    """``value ** exponent``, then the same seen through the scalings and powers that compute value
+    (``Sqrt(v)**-1`` is ``v**-0.5``, ``(ReduceSum(x) / N)**2`` is ``N**-2 * ReduceSum(x)**2``) where the chain was
+    not expanded because an intermediate is read elsewhere. Yields (base, exponent, nodes, coefficient)."""
     nodes: tuple = ()
+    coef = 1.0
     while True:
-        yield value, exponent, nodes
+        yield value, exponent, nodes, coef
         view = algebra.power_view(value)
         if view is None or not algebra.power_ok(view[1], exponent):
             return
-        value, exponent, nodes = view[0], view[1] * exponent, nodes + (view[2],)
+        base, p, c, node = view
+        if exponent.denominator != 1 and c <= 0:
+            return
+        coef *= float(c ** float(exponent)) if exponent.denominator != 1 else float(Fraction(c) ** exponent)
+        value, exponent, nodes = base, p * exponent, nodes + (node,)
 
 
 def _match_twins(leaf: Pattern, twins: tuple, m: Match) -> Iterator[Match]:
