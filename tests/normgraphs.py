@@ -200,6 +200,8 @@ def build(spec: Spec, seed: int = 0) -> onnx.ModelProto:
     if mut == "eps_outside":
         std = b.op("Add", b.op("Sqrt", var), eps)
         y = b.op("Div", d2, std)
+        if spec.cast_stats:
+            y = b.op("Cast", y, to=DTYPES[spec.dtype])
         order = "standard"
     else:
         var_eps = b.op("Add", eps, var) if spec.eps_first else b.op("Add", var, eps)

@@ -308,3 +308,30 @@ def test_onnxscript_code_form_fuses_every_norm(name, norms, tmp_path):
     result = lnfuse.fuse(str(path))
     assert sum(op.endswith("Normalization") for op in op_types(result.model)) == norms, result.report.unfused
     assert not any(u.check == "epsilon" for u in result.report.unfused)
+
+
+def test_variance_without_square_root_is_refused():
+    g = Graph()
+    mean, d, var_eps = _statistics(g)
+    _refused(g.model(g.op("Div", d, var_eps)), "exponent", "raised to -1")
+
+
+def test_unbiased_variance_is_refused():
+    g = Graph()
+    mean = g.mean("X")
+    d = g.op("Sub", "X", mean)
+    var = g.op("Div", g.op("ReduceSum", g.op("Mul", d, d), g.ints([-1])), g.const(H - 1.0))
+    _refused(g.model(g.op("Div", d, g.op("Sqrt", g.op("Add", var, g.const(EPS))))), "variance", "scaled by")
+
+
+@pytest.mark.parametrize("name,count", [("layer_norm_with_cast_2", 1), ("layer_norm_with_cast_3", 1),
+                                        ("layer_norm_shared_input", 2)])
+def test_ort_epsilon_zero_test_files_fuse(name, count):
+    """ONNX Runtime's own fusion test files with epsilon 0, which its tests expect fused."""
+    path = SAMPLES / "ort_fusion" / f"{name}.onnx"
+    if not path.exists():
+        pytest.skip(f"{name}.onnx comes from ORT's generator scripts (sample_models/ort_fusion, branch lenient)")
+    result = lnfuse.fuse(str(path))
+    nodes = [n for n in result.model.graph.node if n.op_type == "LayerNormalization"]
+    assert len(nodes) == count, result.report.unfused
+    assert all(oh.get_attribute_value(a) == 0.0 for n in nodes for a in n.attribute if a.name == "epsilon")
