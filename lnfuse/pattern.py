@@ -18,7 +18,6 @@ Semantics:
 from __future__ import annotations
 
 import abc
-import itertools
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Iterator, Mapping, Sequence
@@ -26,7 +25,6 @@ from typing import Callable, Iterator, Mapping, Sequence
 import onnx_ir as ir
 
 from lnfuse import algebra
-from lnfuse.constants import is_static
 
 COMMUTATIVE = frozenset({"Add", "Mul"})
 
@@ -103,17 +101,6 @@ class Var(Pattern):
     def _match(self, value, m):
         if value is not None and (self.where is None or self.where(value)):
             yield m
-
-
-class Const(Var):
-    """A value fixed when the model is built: an initializer that is not a graph input, a Constant node, or a small
-    computation on those (``Cast(Constant)``, ``Size(Shape(x))`` of a known rank...).
-
-    Only the structure is checked here; the value is read later, when a check needs it (weights may be external).
-    """
-
-    def __init__(self, name: str):
-        super().__init__(name, is_static)
 
 
 class Op(Pattern):

@@ -12,7 +12,7 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.constants import is_static, static_value
-from lnfuse.pattern import Const, Either, Match, Op, Pattern, attr_value, maybe_cast
+from lnfuse.pattern import Either, Match, Op, Pattern, attr_value, maybe_cast
 from lnfuse.rule import GraphContext, Refusal
 
 FLOATS = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE)

@@ -10,16 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from fractions import Fraction
+
 import numpy as np
 import onnx_ir as ir
-
-from fractions import Fraction
 
 from lnfuse.constants import is_static, static_value
 from lnfuse.pattern import Either, Match, Mono, Op, Pattern, Terms, Var, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement
-from ._common import (FLOATS, cast_target, dtype_of, is_widening, node_name, param_as, read_outside, readers_outside,
-                      scalar)
+from ._common import (FLOATS, cast_target, channel_param, dtype_of, is_widening, node_name, param_as, read_outside,
+                      readers_outside)
 
 
 # ---- the math, as monomials ----------------------------------------------------------------------------------
@@ -162,12 +162,23 @@ def params(m: Match, ctx: GraphContext, b: Boundary, k: int, scale: float = 1.0,
             None if beta is None else layout(ctx, beta, b.x, k, b.dtype, "beta"))
 
 
-def ones_scale(ctx: GraphContext, x: ir.Value, k: int, dtype: ir.DataType) -> ir.Value:
-    """A norm without gamma still needs the fused op's scale input."""
-    dims = list(x.shape)[-k:] if x.shape is not None else []
-    if len(dims) != k or not all(isinstance(d, int) for d in dims):
+def scale_input(ctx: GraphContext, gamma: ir.Value | None, x: ir.Value, k: int, dtype: ir.DataType,
+                channel: int | None = None) -> ir.Value:
+    """The fused op's scale: gamma, or ones when the norm has none (of the normalized dims, or [C] for a
+    channels-first norm)."""
+    if gamma is not None:
+        return gamma
+    dims = [] if x.shape is None else [list(x.shape)[channel]] if channel is not None else list(x.shape)[-k:]
+    if len(dims) != (1 if channel is not None else k) or not all(isinstance(d, int) for d in dims):
         raise Refusal("shape", f"the normalized dims of '{x.name}' are unknown, so the unit scale cannot be made")
     return ctx.constant(np.ones(dims, dtype=dtype.numpy()), "lnfuse_unit_scale")
+
+
+def layout_params(m: Match, ctx: GraphContext, b: Boundary, k: int, scale: float, channel: int | None):
+    """gamma and beta for a norm over the trailing axes, or over one channel axis."""
+    if channel is None:
+        return params(m, ctx, b, k, scale)
+    return params(m, ctx, b, k, scale, lambda c, v, x, _k, d, w: channel_param(c, v, x, channel, d, w))
 
 
 def inverse_std_readers(m: Match, region: list[ir.Node]) -> tuple[list[ir.Value], list[ir.Node]]:

@@ -14,11 +14,11 @@ from onnxscript import opset18 as op
 from lnfuse.constants import static_value
 from lnfuse.pattern import Either, Match, Op, Terms, Var, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
-from ._common import (FLOATS, agreed_axes, channel_axis, channel_param, check_epsilon_fits, check_exponent,
+from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
                       check_mean_scale, epsilon, kept_dims, mean_over, node_name, param_as, rank_of, read_outside,
                       readers_outside, square, trailing_axes)
 from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
-                    expose, finish, first_placement, inverse_sqrt, inverse_std_readers, ones_scale, params,
+                    expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
                     stash_type, var_plus_eps)
 
 
@@ -100,10 +100,8 @@ class LayerNorm(Rule):
             if abs(scale - 1) > 1e-6:
                 raise Refusal("gamma", f"the flattened norm is scaled by {scale:g}")
             x, y, k, gamma, beta = _unflatten(m, ctx, b)
-        elif channel is not None:
-            gamma, beta = params(m, ctx, b, k, scale, lambda c, v, x_, k_, d, w: channel_param(c, v, x_, channel, d, w))
         else:
-            gamma, beta = params(m, ctx, b, k, scale)
+            gamma, beta = layout_params(m, ctx, b, k, scale, channel)
         mean = kept_dims(m, "mean")
         exposed_mean = [mean] if read_outside(mean, region) else []
         exposed_inv, absorbed = inverse_std_readers(m, region)
@@ -115,12 +113,7 @@ class LayerNorm(Rule):
         if channel is not None and n_out > 1:
             raise Refusal("intermediate", "the statistics of a channels-first norm are read elsewhere, and the fused "
                           "op computes them in the transposed layout")
-        if gamma is not None:
-            scale_in = gamma
-        elif channel is not None:
-            scale_in = ctx.constant(np.ones([list(x.shape)[channel]], dtype=b.dtype.numpy()), "lnfuse_unit_scale")
-        else:
-            scale_in = ones_scale(ctx, x, k, b.dtype)
+        scale_in = scale_input(ctx, gamma, x, k, b.dtype, channel)
         stash = stash_type(b.dtype)
         if n_out > 1 and stash != ir.DataType.FLOAT:
             raise Refusal("dtype", "LayerNormalization's Mean/InvStdDev are float or bfloat16, and these statistics "

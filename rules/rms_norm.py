@@ -6,17 +6,16 @@ ORT-only) with ``--target ort`` on older opsets and for bfloat16, which RMSNorma
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript import script
 from onnxscript import opset18 as op
 
 from lnfuse.pattern import Match, Terms, Var, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
-from ._common import (FLOATS, agreed_axes, channel_axis, channel_param, check_epsilon_fits, check_exponent,
+from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
                       check_mean_scale, epsilon, mean_over, node_name, square, trailing_axes)
 from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
-                    expose, finish, first_placement, inverse_sqrt, inverse_std_readers, ones_scale, params,
+                    expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
                     stash_type, var_plus_eps)
 
 
@@ -60,21 +59,13 @@ class RmsNorm(Rule):
         op_type = _choose_op(ctx, b.dtype)
         check_epsilon_fits(eps, b.dtype)
         region = absorb_type_reads(list(b.region))
-        if channel is not None:
-            gamma, _ = params(m, ctx, b, k, scale, lambda c, v, x_, k_, d, w: channel_param(c, v, x_, channel, d, w))
-        else:
-            gamma, _ = params(m, ctx, b, k, scale)
+        gamma, _ = layout_params(m, ctx, b, k, scale, channel)
         exposed_inv, absorbed = inverse_std_readers(m, region)
         if exposed_inv and (op_type == "RMSNormalization" or channel is not None):
             raise Refusal("intermediate", f"'{exposed_inv[0].name}' (1/rms) is read elsewhere and "
                           f"{op_type} does not output it here")
         region += absorbed
-        if gamma is not None:
-            scale_in = gamma
-        elif channel is not None:
-            scale_in = ctx.constant(np.ones([list(b.x.shape)[channel]], dtype=b.dtype.numpy()), "lnfuse_unit_scale")
-        else:
-            scale_in = ones_scale(ctx, b.x, k, b.dtype)
+        scale_in = scale_input(ctx, gamma, b.x, k, b.dtype, channel)
         attrs = {"axis": -k, "epsilon": eps, "stash_type": stash_type(b.dtype).value}
         if exposed_inv and stash_type(b.dtype) != ir.DataType.FLOAT:
             raise Refusal("dtype", f"the inverse RMS of {b.dtype} statistics cannot be exposed as float")
