@@ -27,6 +27,7 @@ from lnfuse import wire
 from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.shapes import infer_function_types, infer_shapes
+from lnfuse.traversal import every_node, subgraphs
 
 #: ONNX Runtime 1.31 reads IR versions up to 13
 MAX_IR_VERSION = 13
@@ -82,7 +83,8 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
     return proto, weights if weights.tensors else None
 
 
-def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None) -> onnx.ModelProto:
+def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None,
+             external: list[onnx.TensorProto]) -> onnx.ModelProto:
     """Versions, external files, then onnx's checker on the model's skeleton (the weights' bytes are not what
     makes a graph valid, and checking them would cost a full copy). Returns the skeleton."""
     if proto.ir_version > MAX_IR_VERSION:
@@ -94,7 +96,7 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Pa
             raise InputError(f"{where}: opset {imp.version} is newer than this onnx supports ({max_opset}); "
                              "upgrade onnx or re-export at a lower opset")
     if path is not None:
-        _check_external_files(proto, path)
+        _check_external_files(external, path)
     checked = _skeleton(proto, base_dir)
     try:
         onnx.checker.check_model(checked)
@@ -151,9 +153,9 @@ def _without_ort_only_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:
+def _check_external_files(external: list[onnx.TensorProto], path: Path) -> None:
     base = path.parent
-    for tensor in _external_tensors(proto):
+    for tensor in external:
         info = {e.key: e.value for e in tensor.external_data}
         location = base / info.get("location", "")
         if not location.is_file():
@@ -250,9 +252,10 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
         path = Path(source)
         (proto, lazy), where = read_proto(path), str(path)
     _densify_sparse(proto)
-    skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
+    external = _external_tensors(proto)
+    skeleton = validate(proto, where, path, path.parent if path is not None else base_dir, external)
     declared = _value_info_names(proto.graph, set())
-    has_external = any(lazy is None or not lazy.holds(t) for t in _external_tensors(proto))
+    has_external = any(lazy is None or not lazy.holds(t) for t in external)
     inferred, error = infer_shapes(skeleton)
     # the inferred types go back into the full model: the node list carries the subgraphs' value_info too, and
     # the Constant nodes the skeleton held as inputs go back in their places
@@ -261,11 +264,10 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     for i, (copy, _) in constants.items():
         copy.CopyFrom(proto.graph.node[i])
     proto.graph.ClearField("value_info")
-    proto.graph.value_info.extend(inferred.graph.value_info)
     inferred_names = {v.name for v in inferred.graph.value_info}
-    proto.graph.value_info.extend(onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type,
-                                                                     list(tensor.dims))
-                                  for node, tensor in constants.values() if node.output[0] not in inferred_names)
+    types = list(inferred.graph.value_info)
+    types += [onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type, list(tensor.dims))
+              for node, tensor in constants.values() if node.output[0] not in inferred_names]
     inferred_nodes = iter(inferred.graph.node)
     nodes = [constants[i][0] if i in constants else next(inferred_nodes) for i in range(len(proto.graph.node))]
     proto.graph.ClearField("node")
@@ -273,10 +275,33 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     for mine, theirs in zip(proto.graph.output, inferred.graph.output):
         mine.CopyFrom(theirs)
     model = ir.serde.deserialize_model(proto)
+    _set_types(model.graph, types)
     infer_function_types(model)
-    if path is not None or base_dir is not None:
+    if has_external and (path is not None or base_dir is not None):
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
     return Loaded(model, path, declared, has_external, error, attach(model, lazy) if lazy else None)
+
+
+def _set_types(graph: ir.Graph, infos: list[onnx.ValueInfoProto]) -> None:
+    """Types and shapes of the main graph's values from ``infos``, as onnx_ir sets them when it reads value_info,
+    but each distinct type read once (a graph of a million values has a handful): onnx_ir's shapes read from
+    value_info are frozen, so one is shared by every value of that shape; each value gets its own type object."""
+    values = {value.name: value for node in graph for value in node.outputs if not value.is_graph_output()}
+    values.update((name, value) for name, value in graph.initializers.items() if not value.is_graph_input())
+    read: dict[bytes, tuple[ir.Shape | None, ir.TypeProtocol | None]] = {}
+    for info in infos:
+        value = values.get(info.name)
+        if value is None:
+            continue
+        key = info.type.SerializeToString()
+        if key not in read:
+            read[key] = (ir.serde.deserialize_type_proto_for_shape(info.type),
+                         ir.serde.deserialize_type_proto_for_type(info.type))
+        shape, kind = read[key]
+        if info.doc_string or info.metadata_props or type(kind) is not ir.TensorType or kind.denotation:
+            ir.serde.deserialize_value_info_proto(info, value)
+            continue
+        value.shape, value.type = shape, ir.TensorType(kind.dtype)
 
 
 def _densify_sparse(proto: onnx.ModelProto) -> None:
@@ -312,12 +337,9 @@ def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:
 
 def _all_graphs(model: ir.Model):
     yield model.graph
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield attr.value
-            elif attr.type == ir.AttributeType.GRAPHS:
-                yield from attr.value
+    for node in every_node(model.graph):
+        if node.attributes:
+            yield from subgraphs(node)
     for function in model.functions.values():
         yield function
 
