@@ -25,6 +25,7 @@ from lnfuse.rules import all_rules
 from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
 from lnfuse.targets import TARGETS
 from lnfuse.quantized_norms import quantized_norms
+from lnfuse.traversal import every_node
 from lnfuse.whole_model import compare_models
 
 if TYPE_CHECKING:  # only for the annotation: lnfuse never imports torch
@@ -252,11 +253,11 @@ def _note_runtime_ops(model: ir.Model, report: Report) -> None:
     contrib, default = set(), set()
     for graph in [model.graph, *model.functions.values()]:
         graph_opset = graph.opset_imports.get("", opset) if isinstance(graph, ir.Function) else opset
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            if node.domain == "com.microsoft":
-                contrib.add(node.op_type)
-            elif node.domain in ("", "ai.onnx") and not _onnx_defines(node.op_type, graph_opset):
-                default.add(node.op_type)
+        for domain, op_type in {(node.domain, node.op_type) for node in every_node(graph)}:
+            if domain == "com.microsoft":
+                contrib.add(op_type)
+            elif domain in ("", "ai.onnx") and not _onnx_defines(op_type, graph_opset):
+                default.add(op_type)
     report.ort_only = bool(contrib or default)
     if default:
         report.notes.append(f"the output uses ONNX Runtime's own {', '.join(sorted(default))} in the default "
@@ -277,9 +278,9 @@ def _onnx_defines(op_type: str, opset: int) -> bool:
 
 def _op_counts(model: ir.Model) -> dict[str, int]:
     counts: Counter[str] = Counter()
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+    for node in every_node(model.graph):
         counts[node.op_type] += 1
     for function in model.functions.values():
-        for node in ir.traversal.RecursiveGraphIterator(function):
+        for node in every_node(function):
             counts[node.op_type] += 1
     return dict(counts)

@@ -21,6 +21,7 @@ from lnfuse.provenance import mark_fused
 from lnfuse.report import Fused, Refused, Report, Unfused
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from lnfuse.shapes import infer_shapes
+from lnfuse.traversal import every_node
 from lnfuse.verify import verify
 
 #: match attempts per root node; commuted operands make a few, a pathological graph must not make thousands
@@ -148,7 +149,10 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
             found.accepted.append(candidate)
             consumed.update(candidate.replacement.region)
     for pattern, check, reason in rule.near_misses:
-        for node in ctx.graph:
+        near_roots = pattern.root_ops()
+        for node in nodes:
+            if near_roots is not None and node.op_type not in near_roots:
+                continue  # the pattern cannot match here: skip making a matcher per node
             for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match())):
                 for anchor in rule.anchor_nodes(m):
                     if anchor not in consumed:
@@ -451,7 +455,7 @@ def _all_names(model: ir.Model) -> set[str]:
     for graph in [model.graph, *model.functions.values()]:
         for value in graph.inputs:
             names.add(value.name)
-        for node in ir.traversal.RecursiveGraphIterator(graph):
+        for node in every_node(graph):
             names.add(node.name)
             names.update(v.name for v in node.outputs)
             names.update(v.name for v in node.inputs if v is not None)
