@@ -158,6 +158,8 @@ def _replacement(node: ir.Node, inverse: _Inverse, ctx: GraphContext, model: ir.
     x = node.inputs[0]
     if x is None or x.shape is None or x.type is None:
         raise Refusal("shape", f"the type or rank of '{x.name if x else '?'}' is unknown")
+    if node.domain == "com.microsoft" and len(node.inputs) > 1 and node.inputs[1] is not None:
+        _share_last_two_dims(x, node.inputs[1])
     rank = len(x.shape)
     attrs = {"epsilon": float(attr_value(node, "epsilon", 1e-12 if node.domain == "com.microsoft" else 1e-5))}
     if node.domain != "com.microsoft":
@@ -189,6 +191,21 @@ def _replacement(node: ir.Node, inverse: _Inverse, ctx: GraphContext, model: ir.
             mapping[old].type, mapping[old].shape = old.type, old.shape
     return Replacement(op_type=node.op_type, domain=node.domain, nodes=nodes, outputs=mapping, region=[node],
                        attributes=attrs)
+
+
+def _share_last_two_dims(x: ir.Value, skip: ir.Value) -> None:
+    """The Skip kernels run only when input and skip agree in their last two dims, so where one of them knows a
+    size the other writes symbolically (``floor(height/8)*floor(width/8) + 1`` against 17), that is the size:
+    verification would otherwise draw independent sizes for the two and the kernel would refuse them."""
+    if x.shape is None or skip.shape is None or min(len(x.shape), len(skip.shape)) < 2:
+        return
+    a, b = list(x.shape), list(skip.shape)
+    for i in (-2, -1):
+        if isinstance(b[i], int) and not isinstance(a[i], int):
+            a[i] = b[i]
+        elif isinstance(a[i], int) and not isinstance(b[i], int):
+            b[i] = a[i]
+    x.shape, skip.shape = ir.Shape(a), ir.Shape(b)
 
 
 def _inline(function, actual: dict[str, ir.Value], attrs: dict, ctx: GraphContext,
