@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
 import onnx
@@ -17,14 +17,17 @@ import onnx_ir as ir
 
 from lnfuse import io
 from lnfuse.engine import Options, fuse_model
+from lnfuse.provenance import mark_model
 from lnfuse.errors import UsageError
 from lnfuse.report import Report
 from lnfuse.rule import Rule
 from lnfuse.rules import all_rules
 from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
+from lnfuse.targets import TARGETS
 from lnfuse.whole_model import compare_models
 
-TARGETS = ("ort", "onnx")
+if TYPE_CHECKING:  # only for the annotation: lnfuse never imports torch
+    from torch.onnx import ONNXProgram
 
 
 @dataclass
@@ -64,13 +67,14 @@ def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None =
     return tuple(r for r in rules if r.name not in set(skip or []))
 
 
-def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str = "ort", verify: bool = True,
-         only: Iterable[str] | None = None, skip: Iterable[str] | None = None, upgrade_opset: bool = False,
-         verify_model: bool = False, inputs: dict[str, np.ndarray] | None = None,
+def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *, target: str = "ort",
+         verify: bool = True, only: Iterable[str] | None = None, skip: Iterable[str] | None = None,
+         upgrade_opset: bool = False, verify_model: bool = False, inputs: dict[str, np.ndarray] | None = None,
          quantize_embeddings: str | None = None,
          progress: Callable[[float, str], None] | None = None) -> FuseResult:
     """Fuse normalization subgraphs into single ops; every rewrite is verified in ONNX Runtime unless
-    ``verify=False``. The input (a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``) is never modified.
+    ``verify=False``. The input (a path, an ``onnx.ModelProto``, an ``onnx_ir.Model`` or torch's ``ONNXProgram``) is
+    never modified.
 
     Example, right after exporting::
 
@@ -90,6 +94,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
         raise UsageError(f"unknown target '{target}'; use one of {', '.join(TARGETS)}")
     if quantize_embeddings is not None and (quantize_embeddings not in SCHEMES or target != "ort"):
         raise UsageError(f"--quantize-embeddings takes {' or '.join(SCHEMES)} and needs --target ort")
+    model = _unwrapped(model)
     start = time.perf_counter()
     stage = _Stages(progress)
     options = Options(target=target, verify=verify, rules=select_rules(only, skip),
@@ -109,9 +114,21 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
             report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
                                                 base_dir=loaded.path.parent if loaded.path else None)
         io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+        mark_model(loaded.model, report, {"target": target, "verify": verify, "only": sorted(only or []),
+                                          "skip": sorted(skip or []), "upgrade_opset": upgrade_opset,
+                                          "verify_model": verify_model, "quantize_embeddings": quantize_embeddings})
     report.seconds = time.perf_counter() - start
     stage(1.0, "")
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)
+
+
+def _unwrapped(model):
+    """torch.onnx.export(..., dynamo=True) returns an ``ONNXProgram`` whose ``model`` is an ``onnx_ir.Model``: take
+    that (by its attribute, so that lnfuse never imports torch)."""
+    inner = getattr(model, "model", None)
+    if not isinstance(model, (str, os.PathLike, onnx.ModelProto, ir.Model)) and isinstance(inner, ir.Model):
+        return inner
+    return model
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@
     lnfuse explain model.onnx                     every candidate, fused or not, and why
     lnfuse decompose fused.onnx -o plain.onnx     fused norm ops back into primitive ONNX ops
     lnfuse check model.onnx                       exit 1 if a norm-like candidate is left unfused (for CI gates)
+    lnfuse --version
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from lnfuse.api import TARGETS, fuse
-from lnfuse.decompose import decompose
+# only what parsing the command line needs: the optimizer (onnx_ir, ONNX Runtime, numpy) is imported by the command
+# that runs it, so --help and usage errors answer at once
 from lnfuse.errors import LnfuseError, UsageError
+from lnfuse.targets import TARGETS
 
 COMMANDS = ("fuse", "explain", "decompose", "check")
 
@@ -38,6 +38,18 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
 
 
+class _Version(argparse.Action):
+    """``--version``: the versions come from package metadata, read only when asked for."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print lnfuse's version and its libraries' and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from lnfuse.version import version_line
+        print(version_line())
+        parser.exit()
+
+
 def _parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"lnfuse{'' if command == 'fuse' else ' ' + command}",
                                      description="Verified normalization fusion for ONNX models.")
@@ -49,7 +61,11 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
         return parser
     _common(parser)
+    if command == "explain":
+        parser.add_argument("--annotate", metavar="OUT.onnx", help="also write a copy of the model (weights "
+                            "unchanged) whose candidate nodes say why they were left unfused, for Netron")
     if command == "fuse":
+        parser.add_argument("--version", action=_Version)
         parser.add_argument("-o", "--output", required=True, help="where to write the fused model")
         parser.add_argument("--report", metavar="FILE", help="also write the report as JSON")
         parser.add_argument("--verify", choices=("model",), help="'model': also run the whole original and fused "
@@ -100,6 +116,11 @@ def _progress(fraction: float, label: str) -> None:
 
 
 def _run(command: str, args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from lnfuse.api import fuse
+    from lnfuse.decompose import decompose
+
     if command == "decompose":
         result = decompose(args.model, verify_rewrites=not args.no_verify)
         result.save(args.output, in_place=args.in_place)
@@ -128,6 +149,11 @@ def _run(command: str, args: argparse.Namespace) -> int:
     report = result.report
     if command == "explain":
         print(report.to_json() if args.json else report.explain())
+        if args.annotate:
+            from lnfuse.annotate import write_annotated
+            labelled = write_annotated(args.model, report, args.annotate)
+            print(f"wrote {args.annotate} ({labelled} candidate node(s) annotated)",
+                  file=sys.stderr if args.json else sys.stdout)
         return 0
     if command == "check":
         if args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -27,7 +28,8 @@ from lnfuse.verify import verify
 
 @dataclass(frozen=True)
 class _Inverse:
-    function: object
+    #: the rule's reference (compiled on first call)
+    function: Callable[[], object]
     #: the function's input for each of the op's inputs (None: the op input has no counterpart)
     inputs: tuple[str, ...]
     #: zero-valued stand-ins for optional inputs the node leaves out
@@ -125,7 +127,7 @@ def _embed_replacement(node: ir.Node, ctx: GraphContext, model: ir.Model) -> Rep
     values = [ids, segment_ids, word, position, segment, gamma, beta, position_ids] if with_segment else \
         [ids, word, position, gamma, beta, position_ids]
     attrs = {"epsilon": float(attr_value(node, "epsilon", 1e-12))}
-    nodes, outputs = _inline(inverse.function, dict(zip(inverse.inputs, values)), attrs, ctx, model)
+    nodes, outputs = _inline(inverse.function(), dict(zip(inverse.inputs, values)), attrs, ctx, model)
     mapping = {}
     for index, old in enumerate(node.outputs):
         if old.name and (old.uses() or old.is_graph_output()):
@@ -173,7 +175,7 @@ def _replacement(node: ir.Node, inverse: _Inverse, ctx: GraphContext, model: ir.
                 raise Refusal("shape", "the hidden size is unknown")
             value = ctx.constant(np.zeros([hidden], dtype=x.dtype.numpy()), f"lnfuse_zero_{formal}")
         actual[formal] = value
-    nodes, outputs = _inline(inverse.function, actual, attrs, ctx, model)
+    nodes, outputs = _inline(inverse.function(), actual, attrs, ctx, model)
     mapping = {}
     for index, old in enumerate(node.outputs):
         if old.name and (old.uses() or old.is_graph_output()):

@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from lnfuse.canonical import canonicalize
 from lnfuse.pattern import Match
+from lnfuse.provenance import mark_fused
 from lnfuse.report import Fused, Report, Unfused
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from lnfuse.verify import verify
@@ -252,10 +253,12 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
 
 def _record_fused(c: _Candidate, scope: Scope, error: float | None, report: Report) -> None:
     rep = c.replacement
-    report.fused.append(Fused(
+    record = Fused(
         rule=c.rule.name, op_type=rep.op_type, graph=scope.path, nodes=[_label(n) for n in rep.region],
         attributes=rep.attributes, max_error=None if error is None or math.isnan(error) else error,
-        outputs=[old.name for old in rep.outputs], notes=c.notes))
+        outputs=[old.name for old in rep.outputs], notes=c.notes)
+    report.fused.append(record)
+    mark_fused(rep.nodes, rep.region, record)
 
 
 def _label(node: ir.Node) -> str:

@@ -8,6 +8,7 @@ names of the value_info entries the input had are remembered and the others are 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import shutil
@@ -21,13 +22,10 @@ from google.protobuf.message import DecodeError
 
 from lnfuse import trust, wellformed, wire
 from lnfuse.staging import Staging
-from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, placeholders
+from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
+from lnfuse.repair import repair
 from lnfuse.shapes import infer_function_types, infer_shapes
-
-#: ONNX Runtime 1.31 reads IR versions up to 13
-MAX_IR_VERSION = 13
-
 
 @dataclass
 class Loaded:
@@ -51,48 +49,40 @@ def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | 
     if p.stat().st_size == 0:
         raise InputError(f"{p}: the file is empty; re-export the model")
     try:
-        proto, tensors, weights = _parse(p)
+        proto, weights = _parse(p)
     except (DecodeError, RuntimeError, ValueError, OSError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise InputError(f"{p}: not a readable ONNX model (truncated or not ONNX: {first}); re-export it") from None
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise InputError(f"{p}: not an ONNX model (no graph or IR version); re-export it")
-    # the model's own external references, before lnfuse adds its placeholders pointing into the model file
-    data_files = trust.check_external_data(proto, p.parent, str(p))
-    proto.graph.initializer.extend(tensors)
+    # the model's own external references; lnfuse's placeholders point into the model file itself
+    data_files = trust.check_external_data(proto, p.parent, str(p), lnfuse_made=weights.holds if weights else None)
     return proto, weights, data_files
 
-
-#: inline weights of at least this many bytes stay in the file until a rule needs their values
-_LAZY_BYTES = 1 << 12
 
 #: onnx.load's text formats, chosen by file extension like onnx does
 _TEXT_SUFFIXES = (".json", ".onnxtxt", ".textproto", ".prototxt", ".pbtxt")
 
 
-def _parse(path: Path) -> tuple[onnx.ModelProto, list[onnx.TensorProto], FileWeights | None]:
-    """Parse the model's structure from the page cache, leaving its large inline weights in the file (returned
-    as placeholder tensors to add to the graph, and where their bytes lie)."""
+def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
+    """Parse the model's structure from the page cache, leaving its large inline weights in the file."""
     if path.suffix.lower() in _TEXT_SUFFIXES:
-        return onnx.load(str(path), load_external_data=False), [], None
+        return onnx.load(str(path), load_external_data=False), None
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         identity = wire.FileIdentity.of_open(path, file.fileno())
         try:
-            structure, lazy = wire.split_weights(mapped, _LAZY_BYTES)
+            structure, weights = split(mapped, identity)
             proto = onnx.ModelProto.FromString(structure)
-            tensors, weights = placeholders(lazy, mapped, identity)
         except (ValueError, IndexError, DecodeError):
             # not splittable (truncated, or not what it claims): let protobuf say what is wrong, or read it whole
-            return onnx.ModelProto.FromString(memoryview(mapped)), [], None
-    return proto, tensors, weights if weights.data else None
+            return onnx.ModelProto.FromString(memoryview(mapped)), None
+    return proto, weights if weights.tensors else None
 
 
 def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None) -> onnx.ModelProto:
     """Versions, external files, then onnx's checker on the model's skeleton (the weights' bytes are not what
     makes a graph valid, and checking them would cost a full copy). Returns the skeleton."""
-    if proto.ir_version > MAX_IR_VERSION:
-        raise InputError(f"{where}: IR version {proto.ir_version} is newer than ONNX Runtime reads (<= "
-                         f"{MAX_IR_VERSION}); re-export with an older onnx or set model.ir_version")
+    repair(proto, where)  # what ONNX Runtime repairs itself (node order, domains, -1 dims), or its refusal
     max_opset = onnx.defs.onnx_opset_version()
     for imp in proto.opset_import:
         if imp.domain in ("", "ai.onnx") and imp.version > max_opset:
@@ -163,9 +153,19 @@ def _external_tensors(proto: onnx.ModelProto):
 _WEIGHT_ELEMENTS = 1024
 
 
+def _large_constant(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The tensor of a Constant node of the main graph that holds a weight (onnxscript's code form writes weights
+    so), which the skeleton sees as a graph input."""
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+        return None
+    tensor = next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None)
+    return tensor if tensor is not None and math.prod(tensor.dims) > _WEIGHT_ELEMENTS else None
+
+
 def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
-    """The model without its weights: each large initializer becomes a typed graph input. Shape inference and the
-    structural checks run on this in milliseconds instead of copying and serializing gigabytes."""
+    """The model without its weights: each large initializer, and each Constant node holding a large tensor,
+    becomes a typed graph input. Shape inference and the structural checks run on this in milliseconds instead of
+    copying and serializing gigabytes (ORT's symbolic inference would decode every Constant)."""
     skeleton = onnx.ModelProto(ir_version=proto.ir_version)
     skeleton.opset_import.extend(proto.opset_import)
     skeleton.functions.extend(proto.functions)
@@ -185,7 +185,12 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
         else:
             weights.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
     skeleton.graph.CopyFrom(onnx.GraphProto(name=graph.name, doc_string=graph.doc_string))
-    skeleton.graph.node.extend(graph.node)
+    for node in graph.node:
+        tensor = _large_constant(node)
+        if tensor is None:
+            skeleton.graph.node.append(node)
+        else:
+            weights.append(onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type, list(tensor.dims)))
     skeleton.graph.input.extend(list(graph.input) + weights)
     skeleton.graph.output.extend(graph.output)
     skeleton.graph.value_info.extend(graph.value_info)
@@ -246,13 +251,24 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     _densify_sparse(proto, where)
     skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
-    has_external = any(lazy is None or t.name not in lazy.data for t in _external_tensors(proto))
+    has_external = any(lazy is None or not lazy.holds(t) for t in _external_tensors(proto))
     inferred, error = infer_shapes(skeleton)
-    # the inferred types go back into the full model: the node list carries the subgraphs' value_info too
+    # the inferred types go back into the full model: the node list carries the subgraphs' value_info too, and
+    # the Constant nodes the skeleton held as inputs go back in their places
+    constants = {i: (onnx.NodeProto(), tensor) for i, node in enumerate(proto.graph.node)
+                 if (tensor := _large_constant(node)) is not None}
+    for i, (copy, _) in constants.items():
+        copy.CopyFrom(proto.graph.node[i])
     proto.graph.ClearField("value_info")
     proto.graph.value_info.extend(inferred.graph.value_info)
+    inferred_names = {v.name for v in inferred.graph.value_info}
+    proto.graph.value_info.extend(onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type,
+                                                                     list(tensor.dims))
+                                  for node, tensor in constants.values() if node.output[0] not in inferred_names)
+    inferred_nodes = iter(inferred.graph.node)
+    nodes = [constants[i][0] if i in constants else next(inferred_nodes) for i in range(len(proto.graph.node))]
     proto.graph.ClearField("node")
-    proto.graph.node.extend(inferred.graph.node)
+    proto.graph.node.extend(nodes)
     for mine, theirs in zip(proto.graph.output, inferred.graph.output):
         mine.CopyFrom(theirs)
     model = ir.serde.deserialize_model(proto)
@@ -392,11 +408,9 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
 
 def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: Path,
            source: SourceWeights | None) -> None:
-    for graph in _all_graphs(model):
-        if not isinstance(graph, ir.Function):
-            for value in graph.initializers.values():
-                if isinstance(value.const_value, InlineWeight):
-                    value.const_value.check_source()
+    for tensor in _main_graph_tensors(model):
+        if isinstance(tensor, InlineWeight):
+            tensor.check_source()
     data_name = tmp_model.name + ".data"
     if external_data == "single":
         ir.save(model, tmp_model, external_data=data_name)
@@ -414,47 +428,93 @@ def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: 
                 shutil.copyfile(source_file, staged)
 
 
-#: inline initializers at least this large are written one by one after the rest of the model
+def _main_graph_tensors(model: ir.Model):
+    """The initializers of every graph and the Constant values of the main graph: where an ``InlineWeight`` can be."""
+    for graph in _all_graphs(model):
+        if not isinstance(graph, ir.Function):
+            yield from (v.const_value for v in graph.initializers.values())
+    yield from (a.value for a in map(_constant_value, model.graph) if a is not None)
+
+
+#: inline initializers and Constant values at least this large are written one by one after the rest of the model
 _STREAMED_BYTES = 1 << 12
 
 
 def _write_streamed(model: ir.Model, path: Path, source: SourceWeights | None) -> None:
-    """Write the model without its large initializers, then append each one as a graph initializer field (see
-    ``wire.initializer_header``). A weight still held as read from the input file is copied from that file's
-    bytes; others are serialized one at a time. Either way no second copy of all the weights is ever made."""
+    """Write the model without its large tensors, each one then added as a graph field of its own (see ``wire``):
+    initializers at the end, each Constant node holding one in its place among the nodes. A tensor still held as
+    read from the input file is copied from that file's bytes; others are serialized one at a time. Either way no
+    second copy of all the weights is ever made."""
     graph = model.graph
     streamed = [v for v in graph.initializers.values() if _streamable(v)]
+    constants = [(i, node, attribute) for i, node in enumerate(graph)
+                 if (attribute := _constant_value(node)) is not None and _large(attribute.value)]
     # the dict behind graph.initializers, so the values keep their initializer state while left out
     registry = graph.initializers.data
     every = dict(registry)
     for value in streamed:
         del registry[value.name]
+    for _, node, _ in constants:  # a stand-in while the rest is serialized: wire.constant_node_parts cuts it out
+        node.attributes["value"] = ir.AttrTensor("value", ir.tensor([0.0]))
     try:
         head = ir.serde.serialize_model(model).SerializeToString()
     finally:
         registry.clear()
         registry.update(every)
+        for _, node, attribute in constants:
+            node.attributes["value"] = attribute
+    pieces = wire.reframe(head, [i for i, _, _ in constants]) if constants else [head]
+    tensors = {i: attribute.value for i, _, attribute in constants}
     with contextlib.ExitStack() as stack:
         original = None
         if source is not None and source.file.unchanged():
             original = stack.enter_context(open(source.file.path, "rb"))
         out = stack.enter_context(open(path, "wb", buffering=0))
-        _write_all(out, head)
-        for value in streamed:
-            span = source.span_of(value) if original is not None else None
-            if span is not None:
-                _write_all(out, wire.initializer_header(span[1]))
-                _copy_range(original, out, *span)
+        for piece in pieces:
+            if isinstance(piece, bytes):
+                _write_all(out, piece)
                 continue
-            tensor = value.const_value
-            if isinstance(tensor, ir.serde.TensorProtoTensor):
-                proto = tensor.raw  # _streamable checked that its name is the value's
-            else:
-                proto = ir.serde.serialize_tensor(tensor)
-                proto.name = value.name  # as onnx_ir's graph serializer names initializers
-            data = proto.SerializeToString()
-            _write_all(out, wire.initializer_header(len(data)))
-            _write_all(out, data)
+            index, node = piece
+            _write_tensor(out, tensors[index], None, original, source,
+                          lambda length, node=node: wire.constant_node_parts(node, length))
+        for value in streamed:
+            _write_tensor(out, value.const_value, value.name, original, source,
+                          lambda length: (wire.initializer_header(length), b""))
+
+
+def _write_tensor(out, tensor: ir.TensorProtocol, name: str | None, original, source: SourceWeights | None,
+                  frame) -> None:
+    """One tensor as ``frame(its length)`` puts it: copied from the input file if it is still the weight read from
+    there, else serialized alone (with ``name``, as onnx_ir's graph serializer names initializers)."""
+    span = source.span_of(tensor, name) if original is not None else None
+    if span is not None:
+        before, after = frame(span[1])
+        _write_all(out, before)
+        _copy_range(original, out, *span)
+        _write_all(out, after)
+        return
+    if isinstance(tensor, ir.serde.TensorProtoTensor):
+        proto = tensor.raw  # _streamable checked that an initializer's is named like its value
+    else:
+        proto = ir.serde.serialize_tensor(tensor)
+        if name is not None:
+            proto.name = name
+    data = proto.SerializeToString()
+    before, after = frame(len(data))
+    _write_all(out, before)
+    _write_all(out, data)
+    _write_all(out, after)
+
+
+def _constant_value(node: ir.Node) -> ir.Attr | None:
+    attribute = node.attributes.get("value") if node.op_type == "Constant" else None
+    if attribute is None or attribute.type != ir.AttributeType.TENSOR or node.domain not in ("", "ai.onnx"):
+        return None
+    return attribute
+
+
+def _large(tensor: ir.TensorProtocol) -> bool:
+    return not isinstance(tensor, ir.ExternalTensor) and tensor.nbytes >= _STREAMED_BYTES
 
 
 def _write_all(file, data: bytes) -> None:
@@ -490,7 +550,7 @@ _QUANT_ANNOTATION = "quant_parameter_tensor_names"
 def _streamable(value: ir.Value) -> bool:
     """Large inline tensors whose serialized form is exactly their stored proto (or a plain array)."""
     tensor = value.const_value
-    if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < _STREAMED_BYTES:
+    if tensor is None or not _large(tensor):
         return False
     if tensor.metadata_props or value.metadata_props or value.doc_string or value.meta.get(_QUANT_ANNOTATION):
         return False
@@ -499,9 +559,7 @@ def _streamable(value: ir.Value) -> bool:
 
 def _inline_bytes(model: ir.Model) -> int:
     """The size of the weights the saved proto would carry inline (a protobuf cannot exceed 2 GB)."""
-    return sum(v.const_value.nbytes for g in _all_graphs(model) if not isinstance(g, ir.Function)
-               for v in g.initializers.values()
-               if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor))
+    return sum(t.nbytes for t in _main_graph_tensors(model) if t is not None and not isinstance(t, ir.ExternalTensor))
 
 
 def _referenced_files(model: ir.Model) -> set[tuple[Path, str]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Callable
 
 import onnx
 import onnx_ir as ir
@@ -18,14 +19,15 @@ import onnx_ir as ir
 from lnfuse.errors import InputError, OutputError
 
 
-def check_external_data(proto: onnx.ModelProto, base: Path, where: str) -> list[Path]:
+def check_external_data(proto: onnx.ModelProto, base: Path, where: str,
+                        lnfuse_made: Callable[[onnx.TensorProto], bool] | None = None) -> list[Path]:
     """The files the model's external-data references (in any graph or attribute) name, once each is known to be
-    one it may read."""
+    one it may read. ``lnfuse_made`` tells the placeholders lnfuse put in for weights left in the model file."""
     from onnx.external_data_helper import _get_all_tensors
 
     root = os.path.realpath(base)
     return sorted({external_file(t, base, root, where) for t in _get_all_tensors(proto)
-                   if t.data_location == onnx.TensorProto.EXTERNAL})
+                   if t.data_location == onnx.TensorProto.EXTERNAL and not (lnfuse_made and lnfuse_made(t))})
 
 
 def external_file(tensor: onnx.TensorProto, base: Path, root: str, where: str) -> Path:

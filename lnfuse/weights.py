@@ -1,16 +1,16 @@
 """Inline weights that stay in the input file: read only if a rule needs their values, copied back when saving.
 
-A model file holds its weights inline unless they are external. lnfuse leaves the large ones out when it parses the
-model (``wire.split_weights``) and gives each one an ``InlineWeight``: a tensor of known dtype and shape whose bytes
-are read from the file on demand. Most are never read: fusing a norm needs gamma and beta, not the MatMul weights.
-Saving then copies each weight's bytes from the input file, so they are neither decoded nor held in memory.
+A model file holds its weights inline unless they are external: as initializers, or as the ``value`` of Constant
+nodes. lnfuse parses the model with each large one replaced by a placeholder (``wire.split_weights``) and gives each
+one an ``InlineWeight``: a tensor of known dtype and shape whose bytes are read from the file on demand. Most are
+never read: fusing a norm needs gamma and beta, not the MatMul weights. Saving then copies each weight's bytes from
+the input file, so they are neither decoded nor held in memory.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -24,14 +24,22 @@ from lnfuse.errors import InputError
 MAX_PARSED_ELEMENTS = 1024
 
 
+#: inline weights of at least this many bytes stay in the file until a rule needs their values
+LAZY_BYTES = 1 << 12
+
+
 @dataclass(frozen=True)
 class FileWeights:
-    """The weights left in a model file: where each one's TensorProto lies (to copy it) and where its raw bytes lie
-    (to read them), and the file's identity when it was opened."""
+    """The weights left in a model file, by the offset of their raw bytes (which their placeholders point at), and
+    the file's identity when it was opened."""
 
     file: wire.FileIdentity
-    tensors: dict[str, tuple[int, int]]
-    data: dict[str, tuple[int, int]]
+    tensors: dict[int, wire.PlainTensor]
+
+    def holds(self, tensor: onnx.TensorProto) -> bool:
+        """Whether ``tensor`` is the placeholder of one of these weights."""
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        return info.get("location") == self.file.path.name and int(info.get("offset", -1)) in self.tensors
 
 
 class InlineWeight(_core.TensorBase):
@@ -39,12 +47,12 @@ class InlineWeight(_core.TensorBase):
     opened directly (it is the file the user named, not a path from inside the model), and the bytes are the
     tensor's raw_data, decoded as onnx_ir decodes a TensorProto."""
 
-    __slots__ = ("_dtype", "_shape", "_span", "_file", "_loaded")
+    __slots__ = ("_dtype", "_shape", "stored", "file", "_loaded")
 
-    def __init__(self, like: ir.TensorProtocol, span: tuple[int, int], file: wire.FileIdentity):
+    def __init__(self, like: ir.TensorProtocol, stored: wire.PlainTensor, file: wire.FileIdentity):
         super().__init__(like.name, like.doc_string, dict(like.metadata_props) or None)
         self._dtype, self._shape = like.dtype, like.shape
-        self._span, self._file = span, file
+        self.stored, self.file = stored, file
         self._loaded: ir.TensorProtocol | None = None
 
     @property
@@ -55,17 +63,22 @@ class InlineWeight(_core.TensorBase):
     def shape(self) -> ir.Shape:
         return self._shape
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the values were read from the file (a rule needed them)."""
+        return self._loaded is not None
+
     def check_source(self) -> None:
         """Raise ``InputError`` if the file this weight is read from is no longer the file lnfuse read."""
-        if not self._file.unchanged():
-            raise InputError(f"{self._file.path}: the file changed after lnfuse read it, and lnfuse reads weights "
+        if not self.file.unchanged():
+            raise InputError(f"{self.file.path}: the file changed after lnfuse read it, and lnfuse reads weights "
                              "from it as they are needed; run lnfuse again on the new file")
 
     def _tensor(self) -> ir.TensorProtocol:
         if self._loaded is None:
             self.check_source()
-            offset, length = self._span
-            with open(self._file.path, "rb") as file:
+            offset, length = self.stored.data
+            with open(self.file.path, "rb") as file:
                 file.seek(offset)
                 data = file.read(length)
             proto = onnx.TensorProto(name=self.name or "", data_type=self._dtype.value,
@@ -87,34 +100,30 @@ class InlineWeight(_core.TensorBase):
 
 @dataclass(frozen=True)
 class SourceWeights:
-    """The input file's weights as lnfuse left them, and the tensor object standing for each. A value still holding
-    that same (immutable) object is saved by copying its TensorProto's bytes from the file."""
+    """The input file whose weights lnfuse left in it. A tensor that is still the (immutable) ``InlineWeight`` read
+    from it is saved by copying its TensorProto's bytes from the file."""
 
-    weights: FileWeights
-    tensors: dict[str, InlineWeight]
+    file: wire.FileIdentity
 
-    @property
-    def file(self) -> wire.FileIdentity:
-        return self.weights.file
-
-    def span_of(self, value: ir.Value) -> tuple[int, int] | None:
-        tensor = self.tensors.get(value.name)
-        return self.weights.tensors[value.name] if tensor is not None and value.const_value is tensor else None
+    def span_of(self, tensor: ir.TensorProtocol | None, name: str | None = None) -> tuple[int, int] | None:
+        """Where ``tensor``'s TensorProto lies in the file, if it can be copied from there: it is one of the file's
+        weights and (for an initializer, whose TensorProto carries the value's name) still has the name ``name``."""
+        if not isinstance(tensor, InlineWeight) or tensor.file != self.file:
+            return None
+        return tensor.stored.span if name is None or tensor.name == name else None
 
 
-def placeholders(lazy: list[wire.LazyInitializer], buf, file: wire.FileIdentity
-                 ) -> tuple[list[onnx.TensorProto], FileWeights]:
-    """For each weight left out of the parsed model: a TensorProto of its dtype and shape marked as external data
-    pointing into the model file, so checks and shape inference see an initializer whose values are not loaded.
-    Weights small enough that their values may decide a shape are parsed whole instead."""
-    protos, tensors, data = [], {}, {}
-    for weight in lazy:
-        tensor = onnx.TensorProto.FromString(weight.header)
+def split(buf, file: wire.FileIdentity) -> tuple[bytes, FileWeights]:
+    """The model's bytes with each large weight replaced by a placeholder: a TensorProto of its dtype and shape
+    marked as external data pointing into the model file, so checks and shape inference see a tensor whose values
+    are not loaded. Weights small enough that their values may decide a shape are kept whole."""
+    tensors: dict[int, wire.PlainTensor] = {}
+
+    def placeholder(stored: wire.PlainTensor) -> bytes | None:
+        tensor = onnx.TensorProto.FromString(stored.header)
         if math.prod(tensor.dims) <= MAX_PARSED_ELEMENTS:
-            start, length = weight.span
-            protos.append(onnx.TensorProto.FromString(buf[start:start + length]))
-            continue
-        offset, length = weight.data
+            return None
+        offset, length = stored.data
         expected = math.ceil(math.prod(tensor.dims) * ir.DataType(tensor.data_type).itemsize)
         if expected != length:
             raise ValueError(f"tensor '{tensor.name}' holds {length} bytes, its shape needs {expected}")
@@ -122,15 +131,27 @@ def placeholders(lazy: list[wire.LazyInitializer], buf, file: wire.FileIdentity
         for key, value in (("location", file.path.name), ("offset", str(offset)), ("length", str(length))):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
-        protos.append(tensor)
-        tensors[tensor.name], data[tensor.name] = weight.span, weight.data
-    return protos, FileWeights(file, tensors, data)
+        tensors[offset] = stored
+        return tensor.SerializeToString()
+
+    return wire.split_weights(buf, LAZY_BYTES, placeholder), FileWeights(file, tensors)
 
 
 def attach(model: ir.Model, weights: FileWeights) -> SourceWeights:
-    """Replace the placeholders' tensors by ``InlineWeight``s (they are inline weights, not external data)."""
-    tensors = {}
-    for name, span in weights.data.items():
-        value = model.graph.initializers[name]
-        tensors[name] = value.const_value = InlineWeight(value.const_value, span, weights.file)
-    return SourceWeights(weights, tensors)
+    """Replace the placeholders' tensors (external tensors pointing into the model file) by ``InlineWeight``s: they
+    are inline weights, not external data."""
+    def inline(tensor: ir.TensorProtocol) -> InlineWeight | None:
+        if not isinstance(tensor, ir.ExternalTensor) or tensor.location != weights.file.path.name:
+            return None
+        stored = weights.tensors.get(tensor.offset)
+        return InlineWeight(tensor, stored, weights.file) if stored is not None else None
+
+    for value in model.graph.initializers.values():
+        value.const_value = inline(value.const_value) or value.const_value
+    for node in model.graph:
+        attribute = node.attributes.get("value") if node.op_type == "Constant" else None
+        if attribute is not None and attribute.type == ir.AttributeType.TENSOR and node.domain in ("", "ai.onnx"):
+            tensor = inline(attribute.value)
+            if tensor is not None:
+                node.attributes["value"] = ir.AttrTensor("value", tensor)
+    return SourceWeights(weights.file)

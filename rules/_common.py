@@ -233,6 +233,7 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
         if have != want and have != 1:
             raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)}, which does not broadcast onto the "
                           f"normalized dims {target}")
+    check_laid_out(target, what)
     array = static_value(source)
     if array is not None:
         converted = _exact_astype(np.broadcast_to(array.reshape(tail if tail else []), target), dtype)
@@ -254,6 +255,17 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
     reshape.outputs[0].type = ir.TensorType(dtype)
     reshape.outputs[0].shape = ir.Shape(target)
     return reshape.outputs[0]
+
+
+#: the most elements a constant the fused op needs in full (a broadcast gamma, a unit scale) may have: a norm that
+#: wide cannot be verified within lnfuse.verify.BUDGET anyway, and a 300-byte model must not grow a gigabyte weight
+MAX_LAID_OUT = 1 << 25
+
+
+def check_laid_out(dims: list[int], what: str) -> None:
+    if int(np.prod(dims, dtype=object)) > MAX_LAID_OUT:
+        raise Refusal("size", f"the fused op would need {what} of shape {dims} written out in full, over "
+                      f"{MAX_LAID_OUT:,} elements; too large to verify, left as it is")
 
 
 def _exact_astype(array: np.ndarray, dtype: ir.DataType) -> np.ndarray | None:

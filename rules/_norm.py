@@ -16,8 +16,8 @@ import onnx_ir as ir
 from lnfuse.constants import static_value
 from lnfuse.pattern import Const, Either, Match, Op, Pattern, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement
-from ._common import (FLOATS, cast_target, dtype_of, is_widening, node_name, param_as, read_outside, readers_outside,
-                           scalar)
+from ._common import (FLOATS, cast_target, check_laid_out, dtype_of, is_widening, node_name, param_as, read_outside,
+                      readers_outside, scalar)
 
 
 def inverse_std(var_eps: Pattern) -> Pattern:
@@ -147,6 +147,7 @@ def ones_scale(ctx: GraphContext, x: ir.Value, k: int, dtype: ir.DataType) -> ir
     dims = list(x.shape)[-k:] if x.shape is not None else []
     if len(dims) != k or not all(isinstance(d, int) for d in dims):
         raise Refusal("shape", f"the normalized dims of '{x.name}' are unknown, so the unit scale cannot be made")
+    check_laid_out(dims, "a unit scale")
     return ctx.constant(np.ones(dims, dtype=dtype.numpy()), "lnfuse_unit_scale")
 
 

@@ -12,12 +12,11 @@ Embedding tables are never read: only their shapes and dtypes matter.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript import script
-from onnxscript import opset18 as op
 
 from lnfuse.constants import static_value
 from lnfuse.pattern import Either, Match, Op, Var, attr_value
@@ -28,31 +27,47 @@ _INDEX_TYPES = (ir.DataType.INT32, ir.DataType.INT64)
 _KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 
 
-@script(default_opset=op)
-def reference(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, gamma, beta,
-              position_ids, epsilon: float = 1e-12):
-    """EmbedLayerNormalization with every input given: (output, embedding_sum)."""
-    s = op.Add(op.Add(op.Gather(word_embedding, input_ids), op.Gather(position_embedding, position_ids)),
-               op.Gather(segment_embedding, segment_ids))
-    axes = op.Constant(value_ints=[-1])
-    mean = op.ReduceMean(s, axes)
-    d = op.Sub(s, mean)
-    var = op.ReduceMean(op.Mul(d, d), axes)
-    eps = op.CastLike(op.Constant(value_float=epsilon), var)
-    return op.Add(op.Mul(op.Div(d, op.Sqrt(op.Add(var, eps))), gamma), beta), s
+@functools.cache
+def reference():
+    """EmbedLayerNormalization with every input given: (output, embedding_sum).
+    Compiled by onnxscript on first use: decompose and the tests need it, fusing does not."""
+    from onnxscript import script
+    from onnxscript import opset18 as op
+
+    @script(default_opset=op)
+    def embed_layer_normalization(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding,
+                                  gamma, beta, position_ids, epsilon: float = 1e-12):
+        s = op.Add(op.Add(op.Gather(word_embedding, input_ids), op.Gather(position_embedding, position_ids)),
+                   op.Gather(segment_embedding, segment_ids))
+        axes = op.Constant(value_ints=[-1])
+        mean = op.ReduceMean(s, axes)
+        d = op.Sub(s, mean)
+        var = op.ReduceMean(op.Mul(d, d), axes)
+        eps = op.CastLike(op.Constant(value_float=epsilon), var)
+        return op.Add(op.Mul(op.Div(d, op.Sqrt(op.Add(var, eps))), gamma), beta), s
+
+    return embed_layer_normalization
 
 
-@script(default_opset=op)
-def reference_no_segment(input_ids, word_embedding, position_embedding, gamma, beta, position_ids,
-                         epsilon: float = 1e-12):
-    """EmbedLayerNormalization without segment embeddings (GPT-2, DistilBERT): (output, embedding_sum)."""
-    s = op.Add(op.Gather(word_embedding, input_ids), op.Gather(position_embedding, position_ids))
-    axes = op.Constant(value_ints=[-1])
-    mean = op.ReduceMean(s, axes)
-    d = op.Sub(s, mean)
-    var = op.ReduceMean(op.Mul(d, d), axes)
-    eps = op.CastLike(op.Constant(value_float=epsilon), var)
-    return op.Add(op.Mul(op.Div(d, op.Sqrt(op.Add(var, eps))), gamma), beta), s
+@functools.cache
+def reference_no_segment():
+    """EmbedLayerNormalization without segment embeddings (GPT-2, DistilBERT): (output, embedding_sum).
+    Compiled by onnxscript on first use: decompose and the tests need it, fusing does not."""
+    from onnxscript import script
+    from onnxscript import opset18 as op
+
+    @script(default_opset=op)
+    def embed_layer_normalization_no_segment(input_ids, word_embedding, position_embedding, gamma, beta,
+                                             position_ids, epsilon: float = 1e-12):
+        s = op.Add(op.Gather(word_embedding, input_ids), op.Gather(position_embedding, position_ids))
+        axes = op.Constant(value_ints=[-1])
+        mean = op.ReduceMean(s, axes)
+        d = op.Sub(s, mean)
+        var = op.ReduceMean(op.Mul(d, d), axes)
+        eps = op.CastLike(op.Constant(value_float=epsilon), var)
+        return op.Add(op.Mul(op.Div(d, op.Sqrt(op.Add(var, eps))), gamma), beta), s
+
+    return embed_layer_normalization_no_segment
 
 
 def _lookup(i: int) -> Op:
@@ -171,7 +186,50 @@ def _classify(m: Match, i: int) -> _Lookup:
         kind = "arange"
     elif len(dims) == 1 and _same_dim(dims[0], s[1]) and _is_arange(ids):
         kind = "arange"
+    elif len(dims) == 2 and dims[0] == 1 and _is_arange(ids) and _sliced_to(ids, s[1]):
+        # buffer[:, :S] with S read from another input's shape (transformers' dynamo exports): its length is
+        # min(rows, S), which is S wherever the graph runs (else the Add cannot broadcast), so it is 0..S-1
+        kind = "arange"
     return _Lookup(gather, table, ids, kind)
+
+
+def _sliced_to(ids: ir.Value, seq) -> bool:
+    """``ids`` is a Slice whose end is the sequence length ``seq``, read from the shape of a tensor."""
+    node = ids.producer()
+    while node is not None and node.op_type in ("Cast", "Identity"):
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "Slice" or len(node.inputs) < 3:
+        return False
+    return _is_dim_of(node.inputs[2], seq)
+
+
+def _is_dim_of(value: ir.Value, dim, depth: int = 0) -> bool:
+    """``value`` holds one number, provably the size ``dim``: Shape(t)[i:i+1], Gather(Shape(t), i), possibly
+    Cast, Unsqueezed or Reshaped, of a tensor t whose axis i is ``dim``."""
+    node = value.producer()
+    if node is None or depth > 4:
+        return False
+    if node.op_type in ("Cast", "Identity", "Unsqueeze", "Reshape", "Squeeze"):
+        return _is_dim_of(node.inputs[0], dim, depth + 1)
+    if node.op_type == "Gather" and node.inputs[0].producer() is not None:
+        shape_node, index = node.inputs[0].producer(), static_value(node.inputs[1])
+        if shape_node.op_type != "Shape" or index is None or index.size != 1 or len(shape_node.attributes):
+            return False
+        return _axis_is(shape_node.inputs[0], int(index.reshape(-1)[0]), dim)
+    if node.op_type == "Shape":
+        source = node.inputs[0]
+        if source.shape is None:
+            return False
+        rank = len(source.shape)
+        start, end = attr_value(node, "start", 0), attr_value(node, "end", rank)
+        start, end = start + rank if start < 0 else start, min(end + rank if end < 0 else end, rank)
+        return end - start == 1 and _axis_is(source, start, dim)
+    return False
+
+
+def _axis_is(value: ir.Value, axis: int, dim) -> bool:
+    shape = value.shape
+    return shape is not None and -len(shape) <= axis < len(shape) and _same_dim(shape[axis], dim)
 
 
 def _is_arange(ids: ir.Value, depth: int = 0) -> bool:

@@ -6,10 +6,10 @@ domain, ORT-only) on older opsets with ``--target ort``.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx_ir as ir
-from onnxscript import script
-from onnxscript import opset18 as op
 
 from lnfuse.constants import static_value
 from lnfuse.pattern import Either, Match, Op, Var, maybe_cast
@@ -20,19 +20,27 @@ from ._norm import (Boundary, affine, first_placement, check_inner_casts, check_
                          inverse_std, inverse_std_readers, normalize, ones_scale, params)
 
 
-@script(default_opset=op)
-def reference(X, Scale, B, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1):
+@functools.cache
+def reference():
     """LayerNormalization-17 with the statistics in ``stash_type`` (1: float32), for a negative ``axis``:
-    (Y, Mean, InvStdDev)."""
-    axes = op.Range(op.Constant(value_int=axis), op.Constant(value_int=0), op.Constant(value_int=1))
-    xf = op.Cast(X, to=stash_type)
-    mean = op.ReduceMean(xf, axes)
-    d = op.Sub(xf, mean)
-    var = op.ReduceMean(op.Mul(d, d), axes)
-    eps = op.CastLike(op.Constant(value_float=epsilon), var)
-    std = op.Sqrt(op.Add(var, eps))
-    normalized = op.Div(d, std)
-    return op.Add(op.Mul(op.CastLike(normalized, X), Scale), B), mean, op.Reciprocal(std)
+    (Y, Mean, InvStdDev).
+    Compiled by onnxscript on first use: decompose and the tests need it, fusing does not."""
+    from onnxscript import script
+    from onnxscript import opset18 as op
+
+    @script(default_opset=op)
+    def layer_normalization(X, Scale, B, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1):
+        axes = op.Range(op.Constant(value_int=axis), op.Constant(value_int=0), op.Constant(value_int=1))
+        xf = op.Cast(X, to=stash_type)
+        mean = op.ReduceMean(xf, axes)
+        d = op.Sub(xf, mean)
+        var = op.ReduceMean(op.Mul(d, d), axes)
+        eps = op.CastLike(op.Constant(value_float=epsilon), var)
+        std = op.Sqrt(op.Add(var, eps))
+        normalized = op.Div(d, std)
+        return op.Add(op.Mul(op.CastLike(normalized, X), Scale), B), mean, op.Reciprocal(std)
+
+    return layer_normalization
 
 
 # ---- the math, as patterns --------------------------------------------------------------------------------------

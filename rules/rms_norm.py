@@ -6,9 +6,9 @@ ORT-only) with ``--target ort`` on older opsets and for bfloat16, which RMSNorma
 
 from __future__ import annotations
 
+import functools
+
 import onnx_ir as ir
-from onnxscript import script
-from onnxscript import opset18 as op
 
 from lnfuse.pattern import Match, Op, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
@@ -17,16 +17,24 @@ from ._norm import (Boundary, affine, first_placement, check_inner_casts, check_
                          inverse_std_readers, normalize, ones_scale, params)
 
 
-@script(default_opset=op)
-def reference(X, Scale, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1):
+@functools.cache
+def reference():
     """RMSNormalization-23 / SimplifiedLayerNormalization with the statistics in ``stash_type``, for a negative ``axis``:
-    (Y, inverse RMS)."""
-    axes = op.Range(op.Constant(value_int=axis), op.Constant(value_int=0), op.Constant(value_int=1))
-    xf = op.Cast(X, to=stash_type)
-    mean_square = op.ReduceMean(op.Mul(xf, xf), axes)
-    eps = op.CastLike(op.Constant(value_float=epsilon), mean_square)
-    rms = op.Sqrt(op.Add(mean_square, eps))
-    return op.Mul(op.CastLike(op.Div(xf, rms), X), Scale), op.Reciprocal(rms)
+    (Y, inverse RMS).
+    Compiled by onnxscript on first use: decompose and the tests need it, fusing does not."""
+    from onnxscript import script
+    from onnxscript import opset18 as op
+
+    @script(default_opset=op)
+    def rms_normalization(X, Scale, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1):
+        axes = op.Range(op.Constant(value_int=axis), op.Constant(value_int=0), op.Constant(value_int=1))
+        xf = op.Cast(X, to=stash_type)
+        mean_square = op.ReduceMean(op.Mul(xf, xf), axes)
+        eps = op.CastLike(op.Constant(value_float=epsilon), mean_square)
+        rms = op.Sqrt(op.Add(mean_square, eps))
+        return op.Mul(op.CastLike(op.Div(xf, rms), X), Scale), op.Reciprocal(rms)
+
+    return rms_normalization
 
 
 X = maybe_cast(Var("x_in"), cast="cast_in", name="x")

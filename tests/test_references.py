@@ -42,7 +42,7 @@ def test_layer_norm_reference_matches_ort(axis):
              "B": rng.standard_normal(shape).astype(np.float32)}
     attrs = {"axis": axis, "epsilon": 1e-3}
     want = session(_op("LayerNormalization", ["X", "S", "B"], attrs, 18)).run(None, feeds)[0]
-    got = session(_call(layer_norm.reference, ["X", "S", "B"], attrs, 18)).run(None, feeds)[0]
+    got = session(_call(layer_norm.reference(), ["X", "S", "B"], attrs, 18)).run(None, feeds)[0]
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -53,5 +53,5 @@ def test_rms_reference_matches_ort(op_type, opset):
     feeds = {"X": x, "S": rng.standard_normal(4).astype(np.float32)}
     attrs = {"axis": -1, "epsilon": 1e-3}
     want = session(_op(op_type, ["X", "S"], attrs, opset)).run(None, feeds)[0]
-    got = session(_call(rms_norm.reference, ["X", "S"], attrs, 18)).run(None, feeds)[0]
+    got = session(_call(rms_norm.reference(), ["X", "S"], attrs, 18)).run(None, feeds)[0]
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
