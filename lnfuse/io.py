@@ -73,8 +73,9 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
         try:
             structure, weights = split(mapped, identity)
             proto = onnx.ModelProto.FromString(structure)
-        except (ValueError, IndexError, DecodeError):
-            # not splittable (truncated, or not what it claims): let protobuf say what is wrong, or read it whole
+        except (ValueError, TypeError, IndexError, DecodeError):
+            # not splittable (truncated, or not what it claims, e.g. a weight of no data type): let protobuf say
+            # what is wrong, or read it whole (and let the checks name the flaw)
             return onnx.ModelProto.FromString(memoryview(mapped)), None
     return proto, weights if weights.tensors else None
 
