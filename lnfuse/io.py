@@ -26,6 +26,8 @@ from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, spl
 from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.repair import repair
 from lnfuse.shapes import infer_function_types, infer_shapes
+from lnfuse.traversal import every_node, subgraphs
+
 
 @dataclass
 class Loaded:
@@ -250,9 +252,10 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
         (proto, lazy, data_files), where = read_proto(path), str(path)
     wellformed.check(proto, where)
     _densify_sparse(proto, where)
+    external = _external_tensors(proto)
     skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
-    has_external = any(lazy is None or not lazy.holds(t) for t in _external_tensors(proto))
+    has_external = any(lazy is None or not lazy.holds(t) for t in external)
     inferred, error = infer_shapes(skeleton)
     # the inferred types go back into the full model: the node list carries the subgraphs' value_info too, and
     # the Constant nodes the skeleton held as inputs go back in their places
@@ -261,11 +264,10 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     for i, (copy, _) in constants.items():
         copy.CopyFrom(proto.graph.node[i])
     proto.graph.ClearField("value_info")
-    proto.graph.value_info.extend(inferred.graph.value_info)
     inferred_names = {v.name for v in inferred.graph.value_info}
-    proto.graph.value_info.extend(onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type,
-                                                                     list(tensor.dims))
-                                  for node, tensor in constants.values() if node.output[0] not in inferred_names)
+    types = list(inferred.graph.value_info)
+    types += [onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type, list(tensor.dims))
+              for node, tensor in constants.values() if node.output[0] not in inferred_names]
     inferred_nodes = iter(inferred.graph.node)
     nodes = [constants[i][0] if i in constants else next(inferred_nodes) for i in range(len(proto.graph.node))]
     proto.graph.ClearField("node")
@@ -273,11 +275,34 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     for mine, theirs in zip(proto.graph.output, inferred.graph.output):
         mine.CopyFrom(theirs)
     model = ir.serde.deserialize_model(proto)
+    _set_types(model.graph, types)
     infer_function_types(model)
-    if path is not None or base_dir is not None:
+    if has_external and (path is not None or base_dir is not None):
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
     model.meta[INPUT_FILES] = ([path] if path is not None else []) + data_files
     return Loaded(model, path, declared, has_external, error, attach(model, lazy) if lazy else None)
+
+
+def _set_types(graph: ir.Graph, infos: list[onnx.ValueInfoProto]) -> None:
+    """Types and shapes of the main graph's values from ``infos``, as onnx_ir sets them when it reads value_info,
+    but each distinct type read once (a graph of a million values has a handful): onnx_ir's shapes read from
+    value_info are frozen, so one is shared by every value of that shape; each value gets its own type object."""
+    values = {value.name: value for node in graph for value in node.outputs if not value.is_graph_output()}
+    values.update((name, value) for name, value in graph.initializers.items() if not value.is_graph_input())
+    read: dict[bytes, tuple[ir.Shape | None, ir.TypeProtocol | None]] = {}
+    for info in infos:
+        value = values.get(info.name)
+        if value is None:
+            continue
+        key = info.type.SerializeToString()
+        if key not in read:
+            read[key] = (ir.serde.deserialize_type_proto_for_shape(info.type),
+                         ir.serde.deserialize_type_proto_for_type(info.type))
+        shape, kind = read[key]
+        if info.doc_string or info.metadata_props or type(kind) is not ir.TensorType or kind.denotation:
+            ir.serde.deserialize_value_info_proto(info, value)
+            continue
+        value.shape, value.type = shape, ir.TensorType(kind.dtype)
 
 
 #: where a loaded model keeps the files it was read from (saving must never write over one of them)
@@ -339,12 +364,9 @@ def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:
 
 def _all_graphs(model: ir.Model):
     yield model.graph
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield attr.value
-            elif attr.type == ir.AttributeType.GRAPHS:
-                yield from attr.value
+    for node in every_node(model.graph):
+        if node.attributes:
+            yield from subgraphs(node)
     for function in model.functions.values():
         yield function
 

@@ -27,7 +27,8 @@ def check_external_data(proto: onnx.ModelProto, base: Path, where: str,
 
     root = os.path.realpath(base)
     return sorted({external_file(t, base, root, where) for t in _get_all_tensors(proto)
-                   if t.data_location == onnx.TensorProto.EXTERNAL and not (lnfuse_made and lnfuse_made(t))})
+                   if t.data_location == onnx.TensorProto.EXTERNAL
+                   and not (lnfuse_made is not None and lnfuse_made(t))})
 
 
 def external_file(tensor: onnx.TensorProto, base: Path, root: str, where: str) -> Path:
@@ -71,13 +72,13 @@ def external_file(tensor: onnx.TensorProto, base: Path, root: str, where: str) -
 def tensor_bytes(tensor: onnx.TensorProto, said: str) -> int:
     """The bytes a tensor of this type and shape holds (four-bit types pack two elements a byte)."""
     elements = element_count(tensor.dims, said)
-    if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
-        raise InputError(f"{said}: a {onnx.TensorProto.DataType.Name(tensor.data_type)} tensor cannot be stored as "
-                         "bytes; re-export the model")
     try:
         itemsize = ir.DataType(tensor.data_type).itemsize
     except ValueError:
         raise InputError(f"{said}: unknown data type {tensor.data_type}; re-export the model") from None
+    if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        raise InputError(f"{said}: a {onnx.TensorProto.DataType.Name(tensor.data_type)} tensor cannot be external "
+                         "data; re-export the model")
     return math.ceil(elements * itemsize)
 
 

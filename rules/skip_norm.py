@@ -210,6 +210,8 @@ def _flattened(ctx: GraphContext, x: ir.Value, skip: ir.Value, c: int,
     x's target keeps B with a 0 (copy the input's dim) and states H·W when H and W are known; otherwise H·W is
     computed from x's shape (a -1 would be ambiguous for an empty batch). The skip's -1 is always determined: the
     other dims multiply to C or 1·C."""
+    if c == 0:
+        raise Refusal("shape", f"'{x.name}' has an empty last axis")
     nodes: list[ir.Node] = []
     _b, height, width, _c = x.shape
     if isinstance(height, int) and isinstance(width, int):

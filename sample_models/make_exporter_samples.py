@@ -378,15 +378,10 @@ class _Weight:
         return self._weights.weight(self._shape, dtype)
 
 
-def onnxscript_model(name: str, folder: Path, seed: int = 0, inline_bytes: int = INLINE_BYTES,
-                     external_constants: bool = False) -> Path:
+def onnxscript_model(name: str, folder: Path, seed: int = 0, inline_bytes: int = INLINE_BYTES) -> Path:
     """Write onnxscript's test model ``name`` (one of ONNXSCRIPT_MODELS) to ``folder/<name>.onnx``, as onnxscript
-    builds it; weights over ``inline_bytes`` go to a sparse ``<name>.data`` beside it (zeros).
-
-    onnxscript writes every weight as a Constant node. A Constant whose tensor is external data is valid ONNX and
-    ONNX Runtime loads it, but lnfuse 0.x refuses it ("fails the ONNX checker": the checker looks for the data
-    file beside the working directory). Unless ``external_constants``, those Constants become initializers of the
-    same name and tensor; every other node, the norms' CastLike constants included, is as onnxscript built it."""
+    builds it: every weight a Constant node, those over ``inline_bytes`` with their tensor in a sparse
+    ``<name>.data`` beside it (zeros)."""
     module = importlib.import_module(f"onnxscript.rewriter.models.{name}")
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / f"{name.lstrip('_')}.data"
@@ -401,24 +396,9 @@ def onnxscript_model(name: str, folder: Path, seed: int = 0, inline_bytes: int =
     finally:
         for attr, value in saved.items():
             setattr(module, attr, value)
-    if not external_constants:
-        _external_constants_to_initializers(proto.graph)
     path = folder / f"{name.lstrip('_')}.onnx"
     onnx.save_model(proto, str(path))
     return path
-
-
-def _external_constants_to_initializers(graph: onnx.GraphProto) -> None:
-    kept = []
-    for node in graph.node:
-        tensor = node.attribute[0].t if node.op_type == "Constant" and len(node.attribute) == 1 else None
-        if tensor is not None and tensor.data_location == onnx.TensorProto.EXTERNAL:
-            tensor.name = node.output[0]
-            graph.initializer.append(tensor)
-        else:
-            kept.append(node)
-    del graph.node[:]
-    graph.node.extend(kept)
 
 
 # =========================================================================== main
