@@ -75,8 +75,9 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
         try:
             structure, weights = split(mapped, identity)
             proto = onnx.ModelProto.FromString(structure)
-        except (ValueError, IndexError, DecodeError):
-            # not splittable (truncated, or not what it claims): let protobuf say what is wrong, or read it whole
+        except (ValueError, TypeError, IndexError, DecodeError):
+            # not splittable (truncated, or not what it claims, e.g. a weight of no data type): let protobuf say
+            # what is wrong, or read it whole (and let the checks name the flaw)
             return onnx.ModelProto.FromString(memoryview(mapped)), None
     return proto, weights if weights.tensors else None
 
@@ -406,6 +407,10 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
             from None
 
 
+#: inline weights past this go to ``<output>.data`` whatever the layout (a protobuf cannot exceed 2 GB)
+_INLINE_LIMIT = onnx.checker.MAXIMUM_PROTOBUF * 0.9
+
+
 def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data: str | None,
                       input_path: Path | None, in_place: bool, source: SourceWeights | None,
                       report: Path | None) -> None:
@@ -416,7 +421,7 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
     read_paths += [file for file, _ in _referenced_files(model)]
     reads = {ident: p for p in read_paths if (ident := trust.identity(p)) is not None}
     writes = [target]
-    if external_data == "single":
+    if external_data == "single" or _inline_bytes(model) > _INLINE_LIMIT:
         writes.append(folder / (target.name + ".data"))
     elif external_data == "keep":
         writes += [trust.confined(folder, location) for file, location in _referenced_files(model)
@@ -424,7 +429,7 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
     allowed = set()
     if in_place and input_path is not None and trust.identity(target) == trust.identity(input_path):
         # the input model is replaced as asked, and so may be the data file its replacement writes
-        allowed = {trust.identity(p) for p in writes[:2 if external_data == "single" else 1]} - {None}
+        allowed = {trust.identity(p) for p in writes} - {None}
     trust.check_no_overwrite(reads, writes + ([report] if report is not None else []), allowed)
 
 
@@ -437,7 +442,7 @@ def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: 
     if external_data == "single":
         ir.save(model, tmp_model, external_data=data_name)
         return
-    if _inline_bytes(model) > onnx.checker.MAXIMUM_PROTOBUF * 0.9:
+    if _inline_bytes(model) > _INLINE_LIMIT:
         ir.save(model, tmp_model, external_data=data_name)
         return
     _write_streamed(model, tmp_model, source)
