@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
@@ -105,3 +106,21 @@ def test_given_inputs_make_it_run(tmp_path: Path):
                "--verify", "model", "--inputs", str(inputs))
     assert run.returncode == 0, run.stderr
     assert "upgraded from opset 14 to 17" in run.stdout and "whole-model check: agree" in run.stdout
+
+
+def test_upgrade_opset_with_external_data_from_another_folder(tmp_path: Path):
+    model = onnx.load(SAMPLES / "wm_vit_legacy_op14.onnx")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    onnx.save_model(model, tmp_path / "model" / "vit.onnx", save_as_external_data=True, location="vit.onnx.data",
+                    size_threshold=1024)
+    run = subprocess.run([sys.executable, "-m", "lnfuse.cli", "../model/vit.onnx", "-o", "../model/out.onnx",
+                          "--upgrade-opset", "--target", "onnx"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path / "elsewhere")
+    assert run.returncode == 0, run.stderr
+    assert "upgraded from opset 14 to 17" in run.stdout
+    out = tmp_path / "model" / "out.onnx"
+    onnx.checker.check_model(str(out), full_check=True)
+    feeds, want = model_inputs(onnx.load(SAMPLES / "wm_vit_legacy_op14.onnx"))
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want["last_hidden_state"], atol=1e-4)
