@@ -30,6 +30,11 @@ to the original on the same random inputs (both run in ORT CPU with graph optimi
 nothing at load); and whether ``onnx.checker.check_model(full_check=True)`` passes (ORT-only ops in the default
 domain make it fail by design).
 A tool that raises gets ``error: <one line>`` in its row and the run goes on.
+
+Quantized rows: ``bert_tiny_dynamic_int8_op14`` and ``bert_tiny_qdq_op14`` are a tiny BERT quantized by ONNX
+Runtime's own quantizer (``sample_models/make_quantized.py``: ``quantize_dynamic`` int8, and ``quantize_static`` in
+QDQ format). They are sample models, so every tool runs on them like on the others. In the QDQ model every norm
+has QuantizeLinear/DequantizeLinear pairs inside it: a tool that fuses one there removes rounding the model does.
 """
 
 from __future__ import annotations

@@ -16,14 +16,16 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse import io
-from lnfuse.engine import Options, fuse_model
+from lnfuse.engine import Options, fuse_model, nodes_of, type_new_values
 from lnfuse.provenance import mark_model
-from lnfuse.errors import UsageError
+from lnfuse.errors import InputError, UsageError
 from lnfuse.report import Report
 from lnfuse.rule import Rule
 from lnfuse.rules import all_rules
 from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
 from lnfuse.targets import TARGETS
+from lnfuse.quantized_norms import quantized_norms
+from lnfuse.traversal import every_node
 from lnfuse.whole_model import compare_models
 
 if TYPE_CHECKING:  # only for the annotation: lnfuse never imports torch
@@ -102,6 +104,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
     stage(0.0, "reading and checking the model")
     with _cycle_collection_paused():
         loaded = io.load(model)
+        folder = anchor(loaded)
         source = str(loaded.path) if loaded.path is not None else "<model>"
         original = ir.serde.serialize_model(loaded.model) if (verify_model or upgrade_opset) else None
         report = _run(loaded, options, source)
@@ -112,7 +115,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
         if verify_model:
             stage(0.85, "running the whole original and fused models")
             report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
-                                                base_dir=loaded.path.parent if loaded.path else None)
+                                                base_dir=folder)
         io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
         mark_model(loaded.model, report, {"target": target, "verify": verify, "only": sorted(only or []),
                                           "skip": sorted(skip or []), "upgrade_opset": upgrade_opset,
@@ -129,6 +132,28 @@ def _unwrapped(model):
     if not isinstance(model, (str, os.PathLike, onnx.ModelProto, ir.Model)) and isinstance(inner, ir.Model):
         return inner
     return model
+
+
+def anchor(loaded: io.Loaded, folder: Path | None = None) -> Path | None:
+    """Resolve once the folder that anchors the model's external data, and point its tensors there: the input's
+    folder (whatever the working directory, now or later), or ``folder`` for a model lnfuse made from the input
+    (the upgraded one, re-read from a proto whose data references are relative). Returns the folder."""
+    if folder is None and loaded.path is not None:
+        folder = loaded.path.parent.resolve()
+    if folder is None:
+        folder = _tensor_folder(loaded.model)
+    if folder is not None:
+        ir.external_data.set_base_dir(loaded.model.graph, folder)
+    return folder
+
+
+def _tensor_folder(model: ir.Model) -> Path | None:
+    """Where an in-memory model's external tensors were read from, if they say."""
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and tensor.base_dir:
+            return Path(tensor.base_dir).resolve()
+    return None
 
 
 @contextlib.contextmanager
@@ -165,7 +190,10 @@ def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
     if loaded.shape_inference_error:
         report.notes.append(f"shape inference failed ({loaded.shape_inference_error}); checks that need shapes "
                             "refuse where shapes are unknown")
+    before = nodes_of(loaded.model)
     fuse_model(loaded.model, options, report)
+    loaded.declared_value_info |= type_new_values(loaded.model, before)
+    report.unfused.extend(quantized_norms(loaded.model, report))
     report.ops_after = _op_counts(loaded.model)
     _note_runtime_ops(loaded.model, report)
     opset_refusals = [u for u in report.unfused if u.check == "opset"]
@@ -182,13 +210,20 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     try:
         converted = onnx.version_converter.convert_version(original, needed)
         upgraded = io.load(converted)
+        anchor(upgraded, anchor(loaded))
     except Exception as error:  # noqa: BLE001 - the converter raises many types; the report says why
         report.notes.append(f"--upgrade-opset: onnx's version converter could not reach opset {needed} "
                             f"({str(error).splitlines()[0][:200]}); the model keeps its opset")
         return loaded, report
     upgraded.declared_value_info = loaded.declared_value_info
     upgraded_report = _run(upgraded, options, source)
-    check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs)
+    try:
+        check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs,
+                               base_dir=anchor(loaded), option="--upgrade-opset")
+    except InputError as error:
+        # the upgrade is kept only if the whole model is proven to agree; unproven, the model keeps its opset
+        report.notes.append(f"kept opset {loaded.model.opset_imports.get('')}: {error}")
+        return loaded, report
     if not check["ok"]:
         report.notes.append(f"--upgrade-opset: the model upgraded to opset {needed} no longer agrees with the "
                             f"original ({check['summary']}); kept the original opset")
@@ -201,7 +236,9 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
 def _quantize(loaded: io.Loaded, report: Report, scheme: str) -> None:
     float_model = ir.serde.serialize_model(loaded.model)
     names = {v.name for n in loaded.model.graph for v in n.outputs} | set(loaded.model.graph.initializers)
+    before = nodes_of(loaded.model)
     count = quantize_embeddings(loaded.model, scheme, names, report)
+    loaded.declared_value_info |= type_new_values(loaded.model, before)
     if count:
         check = accuracy(float_model, ir.serde.serialize_model(loaded.model))
         report.notes.append(f"quantized {count} embedding block(s) to {scheme}; against the float model on random "
@@ -216,11 +253,11 @@ def _note_runtime_ops(model: ir.Model, report: Report) -> None:
     contrib, default = set(), set()
     for graph in [model.graph, *model.functions.values()]:
         graph_opset = graph.opset_imports.get("", opset) if isinstance(graph, ir.Function) else opset
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            if node.domain == "com.microsoft":
-                contrib.add(node.op_type)
-            elif node.domain in ("", "ai.onnx") and not _onnx_defines(node.op_type, graph_opset):
-                default.add(node.op_type)
+        for domain, op_type in {(node.domain, node.op_type) for node in every_node(graph)}:
+            if domain == "com.microsoft":
+                contrib.add(op_type)
+            elif domain in ("", "ai.onnx") and not _onnx_defines(op_type, graph_opset):
+                default.add(op_type)
     report.ort_only = bool(contrib or default)
     if default:
         report.notes.append(f"the output uses ONNX Runtime's own {', '.join(sorted(default))} in the default "
@@ -241,9 +278,9 @@ def _onnx_defines(op_type: str, opset: int) -> bool:
 
 def _op_counts(model: ir.Model) -> dict[str, int]:
     counts: Counter[str] = Counter()
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+    for node in every_node(model.graph):
         counts[node.op_type] += 1
     for function in model.functions.values():
-        for node in ir.traversal.RecursiveGraphIterator(function):
+        for node in every_node(function):
             counts[node.op_type] += 1
     return dict(counts)

@@ -36,6 +36,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="with --target onnx: convert the model to the opset the fused ops need (kept only if "
                              "the whole model still verifies)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="list every candidate, and every check that failed on the forms tried")
 
 
 class _Version(argparse.Action):
@@ -80,7 +82,6 @@ def _parser(command: str) -> argparse.ArgumentParser:
                             help="write QEmbedLayerNormalization with per-tensor quantized tables (changes numbers; "
                                  "the report gives the worst difference to the float model)")
         parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-        parser.add_argument("-v", "--verbose", action="store_true", help="list every fused and unfused candidate")
     return parser
 
 
@@ -148,7 +149,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
                   quantize_embeddings=getattr(args, "quantize_embeddings", None))
     report = result.report
     if command == "explain":
-        print(report.to_json() if args.json else report.explain())
+        print(report.to_json() if args.json else report.explain(verbose=args.verbose))
         if args.annotate:
             from lnfuse.annotate import write_annotated
             labelled = write_annotated(args.model, report, args.annotate)
@@ -160,6 +161,9 @@ def _run(command: str, args: argparse.Namespace) -> int:
             print(report.to_json())
         for u in report.unfused:
             print(f"unfused: {u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
+            if args.verbose:
+                for o in u.others:
+                    print(f"  also refused: [{u.rule}/{o.check}] {o.reason} (a form of {o.matched} nodes)")
         if not args.json:
             print(f"lnfuse check: {len(report.unfused)} candidate(s) left unfused, "
                   f"{sum(report.fused_counts().values())} fusable")

@@ -20,14 +20,14 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
-from onnx.external_data_helper import load_external_data_for_tensor
-
-from lnfuse import trust, wire
+from lnfuse import trust, wellformed, wire
 from lnfuse.staging import Staging
 from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.repair import repair
 from lnfuse.shapes import infer_function_types, infer_shapes
+from lnfuse.traversal import every_node, subgraphs
+
 
 @dataclass
 class Loaded:
@@ -39,10 +39,10 @@ class Loaded:
     source: SourceWeights | None = None
 
 
-def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | None]:
+def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | None, list[Path]]:
     """The model without its data: external data stays external, and large inline weights become placeholders that
-    point into the model file (where they lie is returned with it). Or ``InputError`` saying what is wrong with the
-    file."""
+    point into the model file (where they lie is returned with it, and the external data files it may read). Or
+    ``InputError`` saying what is wrong with the file."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file; check the path")
@@ -58,8 +58,8 @@ def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | 
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise InputError(f"{p}: not an ONNX model (no graph or IR version); re-export it")
     # the model's own external references; lnfuse's placeholders point into the model file itself
-    trust.check_external_data(proto, p.parent, str(p), lnfuse_made=weights.holds if weights else None)
-    return proto, weights
+    data_files = trust.check_external_data(proto, p.parent, str(p), lnfuse_made=weights.holds if weights else None)
+    return proto, weights, data_files
 
 
 #: onnx.load's text formats, chosen by file extension like onnx does
@@ -181,10 +181,7 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
                 weights.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
         elif tensor.data_location == onnx.TensorProto.EXTERNAL and base_dir is not None:
             # a small constant (a Reshape target, epsilon) stored outside: shape inference needs its value
-            small = onnx.TensorProto()
-            small.CopyFrom(tensor)
-            load_external_data_for_tensor(small, str(base_dir))
-            kept.append(small)
+            kept.append(_inlined(tensor, base_dir))
         elif tensor.data_location != onnx.TensorProto.EXTERNAL:
             kept.append(tensor)
         else:
@@ -201,6 +198,20 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
     skeleton.graph.value_info.extend(graph.value_info)
     skeleton.graph.initializer.extend(kept)
     return skeleton
+
+
+def _inlined(tensor: onnx.TensorProto, base_dir: Path) -> onnx.TensorProto:
+    """A copy of an external tensor (already checked by ``trust``) with its bytes inline. Read here rather than by
+    onnx's loader, which refuses a location through any link, even one inside the model's folder."""
+    info = {e.key: e.value for e in tensor.external_data}
+    small = onnx.TensorProto()
+    small.CopyFrom(tensor)
+    del small.external_data[:]
+    small.data_location = onnx.TensorProto.DEFAULT
+    with open(base_dir / info["location"], "rb") as file:
+        file.seek(int(info.get("offset", 0)))
+        small.raw_data = file.read(int(info["length"])) if "length" in info else file.read()
+    return small
 
 
 def _one_base_dir(model: ir.Model) -> Path | None:
@@ -234,14 +245,16 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
         proto, path, where = source, None, "model"
         proto = onnx.ModelProto.FromString(proto.SerializeToString())
         # external data of a ModelProto is read relative to the working directory, as onnx_ir reads it
-        trust.check_external_data(proto, base_dir or Path.cwd(), where)
+        data_files = trust.check_external_data(proto, base_dir or Path.cwd(), where)
     else:
         path = Path(source)
-        (proto, lazy), where = read_proto(path), str(path)
-    _densify_sparse(proto)
+        (proto, lazy, data_files), where = read_proto(path), str(path)
+    wellformed.check(proto, where)
+    _densify_sparse(proto, where)
+    external = _external_tensors(proto)
     skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
-    has_external = any(lazy is None or not lazy.holds(t) for t in _external_tensors(proto))
+    has_external = any(lazy is None or not lazy.holds(t) for t in external)
     inferred, error = infer_shapes(skeleton)
     # the inferred types go back into the full model: the node list carries the subgraphs' value_info too, and
     # the Constant nodes the skeleton held as inputs go back in their places
@@ -250,11 +263,10 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     for i, (copy, _) in constants.items():
         copy.CopyFrom(proto.graph.node[i])
     proto.graph.ClearField("value_info")
-    proto.graph.value_info.extend(inferred.graph.value_info)
     inferred_names = {v.name for v in inferred.graph.value_info}
-    proto.graph.value_info.extend(onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type,
-                                                                     list(tensor.dims))
-                                  for node, tensor in constants.values() if node.output[0] not in inferred_names)
+    types = list(inferred.graph.value_info)
+    types += [onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type, list(tensor.dims))
+              for node, tensor in constants.values() if node.output[0] not in inferred_names]
     inferred_nodes = iter(inferred.graph.node)
     nodes = [constants[i][0] if i in constants else next(inferred_nodes) for i in range(len(proto.graph.node))]
     proto.graph.ClearField("node")
@@ -262,29 +274,79 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     for mine, theirs in zip(proto.graph.output, inferred.graph.output):
         mine.CopyFrom(theirs)
     model = ir.serde.deserialize_model(proto)
+    _set_types(model.graph, types)
     infer_function_types(model)
-    if path is not None or base_dir is not None:
+    if has_external and (path is not None or base_dir is not None):
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
+    model.meta[INPUT_FILES] = ([path] if path is not None else []) + data_files
     return Loaded(model, path, declared, has_external, error, attach(model, lazy) if lazy else None)
 
 
-def _densify_sparse(proto: onnx.ModelProto) -> None:
+def _set_types(graph: ir.Graph, infos: list[onnx.ValueInfoProto]) -> None:
+    """Types and shapes of the main graph's values from ``infos``, as onnx_ir sets them when it reads value_info,
+    but each distinct type read once (a graph of a million values has a handful): onnx_ir's shapes read from
+    value_info are frozen, so one is shared by every value of that shape; each value gets its own type object."""
+    values = {value.name: value for node in graph for value in node.outputs if not value.is_graph_output()}
+    values.update((name, value) for name, value in graph.initializers.items() if not value.is_graph_input())
+    read: dict[bytes, tuple[ir.Shape | None, ir.TypeProtocol | None]] = {}
+    for info in infos:
+        value = values.get(info.name)
+        if value is None:
+            continue
+        key = info.type.SerializeToString()
+        if key not in read:
+            read[key] = (ir.serde.deserialize_type_proto_for_shape(info.type),
+                         ir.serde.deserialize_type_proto_for_type(info.type))
+        shape, kind = read[key]
+        if info.doc_string or info.metadata_props or type(kind) is not ir.TensorType or kind.denotation:
+            ir.serde.deserialize_value_info_proto(info, value)
+            continue
+        value.shape, value.type = shape, ir.TensorType(kind.dtype)
+
+
+#: where a loaded model keeps the files it was read from (saving must never write over one of them)
+INPUT_FILES = "lnfuse.input_files"
+
+
+#: a sparse tensor is stored dense in memory and in the output: refused past this size, checked before allocating
+#: (a 320-byte sparse initializer can declare a 37 GiB dense shape). 256 MiB is far above any sparse constant a
+#: normalization touches and matches the memory lnfuse allows itself for verification inputs.
+MAX_DENSE_SPARSE_BYTES = 256 << 20
+
+
+def _densify_sparse(proto: onnx.ModelProto, where: str) -> None:
     """Sparse constants and initializers as dense tensors of the same values (onnx_ir reads only dense ones)."""
     for node in _every_node(proto):
         for attr in node.attribute:
             if node.op_type == "Constant" and attr.name == "sparse_value":
-                dense = onnx.helper.make_attribute("value", _dense(attr.sparse_tensor))
+                dense = onnx.helper.make_attribute("value", _dense(attr.sparse_tensor, where))
                 attr.CopyFrom(dense)
-    proto.graph.initializer.extend(_dense(sparse) for sparse in proto.graph.sparse_initializer)
+    proto.graph.initializer.extend(_dense(sparse, where) for sparse in proto.graph.sparse_initializer)
     proto.graph.ClearField("sparse_initializer")
 
 
-def _dense(sparse: onnx.SparseTensorProto) -> onnx.TensorProto:
-    values = onnx.numpy_helper.to_array(sparse.values)
-    indices = onnx.numpy_helper.to_array(sparse.indices).astype(np.int64)
+def _dense(sparse: onnx.SparseTensorProto, where: str) -> onnx.TensorProto:
+    said = f"{where}: sparse tensor {sparse.values.name!r}"
     dims = [int(d) for d in sparse.dims]
-    flat = np.zeros(int(np.prod(dims)), dtype=values.dtype)
-    flat[indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)] = values
+    elements = trust.element_count(dims, said)
+    try:
+        itemsize = ir.DataType(sparse.values.data_type).itemsize
+        if elements * itemsize > MAX_DENSE_SPARSE_BYTES:
+            raise InputError(f"{said}: its dense shape {dims} needs {elements * itemsize:.0f} bytes, more than lnfuse "
+                             f"allows ({MAX_DENSE_SPARSE_BYTES >> 20} MiB); store it dense or smaller")
+        values = onnx.numpy_helper.to_array(sparse.values)
+        indices = onnx.numpy_helper.to_array(sparse.indices).astype(np.int64)
+    except (ValueError, TypeError, KeyError) as error:
+        raise InputError(f"{said}: cannot be read ({first_line(error)}); re-export the model") from None
+    linear = indices.ndim == 1
+    if values.ndim != 1 or not (linear or indices.shape == (len(values), len(dims))) or len(indices) != len(values):
+        raise InputError(f"{said}: {len(values)} values and indices of shape {list(indices.shape)} do not match its "
+                         f"{len(dims)} dimensions; re-export the model")
+    bounds = np.array([elements] if linear else dims, dtype=np.int64)
+    if indices.size and ((indices < 0).any() or (indices >= bounds).any()):
+        raise InputError(f"{said}: an index lies outside its shape {dims}; re-export the model")
+    flat = np.zeros(elements, dtype=values.dtype)
+    flat[indices if linear else np.ravel_multi_index(tuple(indices.T), dims)] = values
     return onnx.numpy_helper.from_array(flat.reshape(dims), sparse.values.name)
 
 
@@ -301,12 +363,9 @@ def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:
 
 def _all_graphs(model: ir.Model):
     yield model.graph
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield attr.value
-            elif attr.type == ir.AttributeType.GRAPHS:
-                yield from attr.value
+    for node in every_node(model.graph):
+        if node.attributes:
+            yield from subgraphs(node)
     for function in model.functions.values():
         yield function
 
@@ -353,6 +412,7 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
     """Before anything is written: no path the run writes is a file it reads (see ``trust.check_no_overwrite``)."""
     read_paths = [input_path] if input_path is not None else []
     read_paths += [source.file.path] if source is not None else []
+    read_paths += model.meta.get(INPUT_FILES, [])
     read_paths += [file for file, _ in _referenced_files(model)]
     reads = {ident: p for p in read_paths if (ident := trust.identity(p)) is not None}
     writes = [target]
@@ -362,7 +422,7 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
         writes += [trust.confined(folder, location) for file, location in _referenced_files(model)
                    if not _same_file(folder / location, file)]
     allowed = set()
-    if in_place:
+    if in_place and input_path is not None and trust.identity(target) == trust.identity(input_path):
         # the input model is replaced as asked, and so may be the data file its replacement writes
         allowed = {trust.identity(p) for p in writes[:2 if external_data == "single" else 1]} - {None}
     trust.check_no_overwrite(reads, writes + ([report] if report is not None else []), allowed)

@@ -5,6 +5,8 @@ as model properties, and a node's metadata_props and doc_string in the node's pa
   ``lnfuse.unfused`` (candidates left unfused);
 - each fused node: ``lnfuse.rule``, ``lnfuse.replaced`` (names of the input's nodes it stands for, JSON),
   ``lnfuse.max_error`` (measured in ONNX Runtime), and a one-sentence doc_string;
+- ``lnfuse decompose``: ``lnfuse.decomposed`` (op counts, JSON) and ``lnfuse.left`` (fused ops it could not
+  replace), in place of an earlier fuse's keys;
 - ``lnfuse explain --annotate``: each node of a candidate left unfused gets ``lnfuse.refused`` (why), each node of
   a fusable one ``lnfuse.fuses_into``.
 
@@ -14,6 +16,7 @@ Keys are only added or replaced under the ``lnfuse.`` prefix: the input's own pr
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Sequence
 
 import onnx_ir as ir
@@ -33,18 +36,28 @@ def mark_fused(new_nodes: Sequence[ir.Node], region: Sequence[ir.Node], record: 
     absorbs) stands for the input's nodes it replaced, so ``replaced`` always names nodes of the input model."""
     replaced: list[str] = []
     for node in region:
-        earlier = node.metadata_props.get(REPLACED)
-        replaced.extend(json.loads(earlier) if earlier else [node.name or f"<unnamed {node.op_type}>"])
+        replaced.extend(_stands_for(node))
     error = "not verified" if record.max_error is None else f"{record.max_error:.3g}"
     shown = ", ".join(replaced[:_NAMES_SHOWN]) + (f" and {len(replaced) - _NAMES_SHOWN} more"
                                                    if len(replaced) > _NAMES_SHOWN else "")
-    checked = "not verified (--no-verify)" if record.max_error is None else \
-        f"verified in ONNX Runtime, max error {error}"
+    checked = "not verified" if record.max_error is None else f"verified in ONNX Runtime, max error {error}"
     for node in [n for n in new_nodes if n.op_type == record.op_type] or list(new_nodes):
         node.metadata_props[RULE] = record.rule
         node.metadata_props[REPLACED] = json.dumps(replaced)
         node.metadata_props[ERROR] = error
         node.doc_string = f"lnfuse {record.rule}: replaces {len(replaced)} nodes ({shown}); {checked}"
+
+
+def _stands_for(node: ir.Node) -> list[str]:
+    """The input nodes a node stands for: those lnfuse recorded on it, else itself. The input is untrusted, so a
+    record that is not a JSON list of names counts as no record."""
+    try:
+        earlier = json.loads(node.metadata_props.get(REPLACED, "null"))
+    except ValueError:
+        earlier = None
+    if isinstance(earlier, list) and earlier and all(isinstance(name, str) for name in earlier):
+        return earlier
+    return [node.name or f"<unnamed {node.op_type}>"]
 
 
 def mark_model(model: ir.Model, report: Report, options: dict) -> None:
@@ -55,6 +68,17 @@ def mark_model(model: ir.Model, report: Report, options: dict) -> None:
     props["lnfuse.options"] = json.dumps(options, sort_keys=True, default=str)
     props["lnfuse.fused"] = json.dumps(report.fused_counts(), sort_keys=True)
     props["lnfuse.unfused"] = str(len(report.unfused))
+
+
+def mark_decomposed(model: ir.Model, report: Report, verify: bool) -> None:
+    """After ``lnfuse decompose``: the fused ops replaced by primitives; what an earlier fuse recorded no longer holds."""
+    props = model.metadata_props
+    for stale in ("lnfuse.fused", "lnfuse.unfused", "lnfuse.target"):
+        props.pop(stale, None)
+    props["lnfuse.version"] = lnfuse_version()
+    props["lnfuse.options"] = json.dumps({"command": "decompose", "verify": verify}, sort_keys=True)
+    props["lnfuse.decomposed"] = json.dumps(dict(Counter(f.op_type for f in report.fused)), sort_keys=True)
+    props["lnfuse.left"] = str(len(report.unfused))
 
 
 def mark_candidates(model: ir.Model, report: Report, scopes: dict[str, ir.Graph | ir.Function]) -> int:

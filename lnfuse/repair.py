@@ -17,20 +17,27 @@ import onnx
 
 from lnfuse.errors import InputError
 
+
 def repair(proto: onnx.ModelProto, where: str) -> None:
     """Make ``proto`` (in place) what ORT would run, or raise ``InputError`` with what ORT would refuse."""
     _check_ir_version(proto, where)
-    for graph, outer in _graphs(proto.graph, frozenset()):
-        _sort_nodes(graph.node, _names_defined(graph) | outer, f"{where}: graph '{graph.name}'")
-    for function in proto.functions:
-        _sort_nodes(function.node, set(function.input), f"{where}: function '{function.name}'")
-        for node in function.node:
-            for attr in node.attribute:
-                for sub in _subgraphs_of(attr):
-                    for graph, outer in _graphs(sub, frozenset(function.input)):
-                        _sort_nodes(graph.node, _names_defined(graph) | outer, f"{where}: graph '{graph.name}'")
+    for nodes, available, scope in _scopes(proto, where):
+        _sort_nodes(nodes, available, scope)
     _declare_missing_domains(proto)
     _unknown_negative_dims(proto)
+
+
+def _scopes(proto: onnx.ModelProto, where: str) -> Iterator[tuple[object, set[str], str]]:
+    """Each list of nodes that must be in order: the main graph, function bodies, and the bodies of If/Loop/Scan
+    nodes in either, with the names defined before their first node."""
+    for graph, outer in _graphs(proto.graph, frozenset()):
+        yield graph.node, _names_defined(graph) | outer, f"{where}: graph '{graph.name}'"
+    for function in proto.functions:
+        inputs = frozenset(function.input)
+        yield function.node, set(inputs), f"{where}: function '{function.name}'"
+        for sub in (sub for node in function.node for attr in node.attribute for sub in _subgraphs_of(attr)):
+            for graph, outer in _graphs(sub, inputs):
+                yield graph.node, _names_defined(graph) | outer, f"{where}: graph '{graph.name}'"
 
 
 # -- IR version: a fact about the installed runtime ---------------------------------------------------------------

@@ -18,6 +18,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from lnfuse.traversal import every_node
+
 
 def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     """The model with value_info for as many values as can be inferred, and the error if inference failed.
@@ -137,17 +139,25 @@ def _subgraphs(graph: onnx.GraphProto):
 
 def _complete(graph: onnx.GraphProto) -> bool:
     """Every value the graph computes has a known dtype and a shape with every dim a number or a named symbol."""
-    known = {v.name: v.type.tensor_type for v in list(graph.value_info) + list(graph.output)}
+    verdicts: dict[bytes, bool] = {}  # per distinct type: a graph of a million values has a handful
+    known: dict[str, bool] = {}
+    for info in (*graph.value_info, *graph.output):
+        key = info.type.SerializeToString()
+        if key not in verdicts:
+            verdicts[key] = _complete_type(info.type.tensor_type)
+        known[info.name] = verdicts[key]
+    subgraph = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
     for node in graph.node:
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        if node.attribute and any(a.type in subgraph for a in node.attribute):
             return False
-        for name in node.output:
-            tensor = known.get(name)
-            if name and (tensor is None or not tensor.elem_type or not tensor.HasField("shape") or any(
-                    not d.HasField("dim_value") and (not d.dim_param or d.dim_param.startswith("unk__"))
-                    for d in tensor.shape.dim)):
-                return False
+        if not all(known.get(name, False) for name in node.output if name):
+            return False
     return True
+
+
+def _complete_type(tensor: onnx.TypeProto.Tensor) -> bool:
+    return bool(tensor.elem_type) and tensor.HasField("shape") and all(
+        d.HasField("dim_value") or (d.dim_param and not d.dim_param.startswith("unk__")) for d in tensor.shape.dim)
 
 
 def _has_huge_input(proto: onnx.ModelProto) -> bool:
@@ -281,8 +291,10 @@ def _signature(value: ir.Value | None):
 
 def _calls(model: ir.Model) -> dict:
     calls: dict = {}
+    if not model.functions:
+        return calls
     for graph in [model.graph, *model.functions.values()]:
-        for node in ir.traversal.RecursiveGraphIterator(graph):
+        for node in every_node(graph):
             key = (node.domain, node.op_type, node.overload)
             if key in model.functions:
                 calls.setdefault(key, []).append(node)

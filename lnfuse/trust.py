@@ -20,17 +20,15 @@ from lnfuse.errors import InputError, OutputError
 
 
 def check_external_data(proto: onnx.ModelProto, base: Path, where: str,
-                        lnfuse_made: Callable[[onnx.TensorProto], bool] | None = None) -> None:
-    """Every external-data reference of the model, in any graph or attribute, names a file it may read.
-    ``lnfuse_made`` tells the placeholders lnfuse put in for weights left in the model file itself."""
+                        lnfuse_made: Callable[[onnx.TensorProto], bool] | None = None) -> list[Path]:
+    """The files the model's external-data references (in any graph or attribute) name, once each is known to be
+    one it may read. ``lnfuse_made`` tells the placeholders lnfuse put in for weights left in the model file."""
     from onnx.external_data_helper import _get_all_tensors
 
     root = os.path.realpath(base)
-    for tensor in _get_all_tensors(proto):
-        if lnfuse_made is not None and lnfuse_made(tensor):
-            continue
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            external_file(tensor, base, root, where)
+    return sorted({external_file(t, base, root, where) for t in _get_all_tensors(proto)
+                   if t.data_location == onnx.TensorProto.EXTERNAL
+                   and not (lnfuse_made is not None and lnfuse_made(t))})
 
 
 def external_file(tensor: onnx.TensorProto, base: Path, root: str, where: str) -> Path:
@@ -50,7 +48,7 @@ def external_file(tensor: onnx.TensorProto, base: Path, root: str, where: str) -
         raise InputError(f"{said}, a link to {real!r} outside the model's folder; copy the file into the folder "
                          "(cp -L) if you trust it")
     try:
-        st = os.stat(real)
+        st = os.stat(os.path.join(base, location))  # as readers join it: "w.data/" is not the file w.data
     except OSError:
         raise InputError(f"{said}: the file is missing; put it next to the model") from None
     if not os.path.isfile(real):
@@ -73,8 +71,7 @@ def external_file(tensor: onnx.TensorProto, base: Path, root: str, where: str) -
 
 def tensor_bytes(tensor: onnx.TensorProto, said: str) -> int:
     """The bytes a tensor of this type and shape holds (four-bit types pack two elements a byte)."""
-    if any(d < 0 for d in tensor.dims):
-        raise InputError(f"{said}: negative dimension in {list(tensor.dims)}; re-export the model")
+    elements = element_count(tensor.dims, said)
     try:
         itemsize = ir.DataType(tensor.data_type).itemsize
     except ValueError:
@@ -82,7 +79,13 @@ def tensor_bytes(tensor: onnx.TensorProto, said: str) -> int:
     if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
         raise InputError(f"{said}: a {onnx.TensorProto.DataType.Name(tensor.data_type)} tensor cannot be external "
                          "data; re-export the model")
-    return math.ceil(math.prod(tensor.dims) * itemsize)
+    return math.ceil(elements * itemsize)
+
+
+def element_count(dims, said: str) -> int:
+    if any(d < 0 for d in dims):
+        raise InputError(f"{said}: negative dimension in {list(dims)}; re-export the model")
+    return math.prod(dims)
 
 
 def _number(text: str, said: str, key: str) -> int:

@@ -202,7 +202,7 @@ class _Region:
 
     def _shape(self, value: ir.Value) -> ir.Shape:
         if value.shape is not None:
-            return value.shape
+            return _named_input_dims(value)
         guess = _guessed_shape(self.rep)
         if guess is None:
             raise Unverifiable(f"the shape of '{value.name}' is unknown, and the fused op does not imply one")
@@ -276,7 +276,7 @@ def _shared_context(old_reads: list[ir.Value], new_reads: list[ir.Value], produc
 
 def _concrete(shape: ir.Shape, sizes: dict[str, int], shrink: Mapping[int, int] = {}) -> list[int]:  # noqa: B006
     return [shrink.get(d, d) if isinstance(d, int) else
-            _size(str(d) if d is not None and d.value is not None else f"?{len(sizes)}", sizes) for d in shape]
+            dim_size(str(d) if d is not None and d.value is not None else f"?{len(sizes)}", sizes) for d in shape]
 
 
 def _bytes(shapes: Mapping[ir.Value, list[int]], dtypes: Mapping[ir.Value, ir.DataType]) -> int:
@@ -330,7 +330,16 @@ def _guessed_shape(rep: Replacement) -> ir.Shape | None:
     return ir.Shape([2, 3, 4, 5][:leading] + list(scale.shape))
 
 
-def _size(name: str, sizes: dict[str, int]) -> int:
+def _named_input_dims(value: ir.Value) -> ir.Shape:
+    """A graph input's unnamed dims, called what ORT's symbolic inference calls them in the values computed from
+    the input (``input_ids_d1``), so that the input and those values get the same sizes."""
+    if not value.is_graph_input():
+        return value.shape
+    return ir.Shape([d if isinstance(d, int) or d.value is not None else f"{value.name}_d{i}"
+                     for i, d in enumerate(value.shape)])
+
+
+def dim_size(name: str, sizes: dict[str, int]) -> int:
     """A concrete size for a symbolic dim, the same for the same name. A dim that ORT's symbolic inference wrote as
     an expression of others (``batch*sequence`` after a flattening Reshape) gets the value of that expression."""
     if name not in sizes:
@@ -362,7 +371,7 @@ def _dim_expression(tree: ast.expr, sizes: dict[str, int]) -> int | None:
 
 def _operand(tree: ast.expr, sizes: dict[str, int]) -> int:
     if isinstance(tree, ast.Name):
-        return _size(tree.id, sizes)
+        return dim_size(tree.id, sizes)
     value = _dim_expression(tree, sizes)
     if value is None:
         raise ValueError("not a dim expression")

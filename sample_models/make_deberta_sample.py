@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import onnx
 import torch
 from transformers import DebertaV2Config, DebertaV2Model
+
+from make_quantized import save_checked
 
 OUT = Path(__file__).resolve().parent / "deberta_v2_tiny_dynamo_op18.onnx"
 
@@ -30,11 +31,7 @@ def main() -> None:
     dims = {0: "batch", 1: "sequence"}
     program = torch.onnx.export(model, (ids, mask), dynamo=True, input_names=["input_ids", "attention_mask"],
                                 dynamic_shapes=(dims, dims), opset_version=18)
-    proto = program.model_proto
-    proto.ir_version = min(proto.ir_version, 10)  # readable by older ONNX Runtime releases too
-    onnx.checker.check_model(proto, full_check=True)
-    onnx.save(proto, OUT)
-    print(f"wrote {OUT.name} ({OUT.stat().st_size // 1024} KB)")
+    save_checked(program.model_proto, OUT)
 
 
 if __name__ == "__main__":

@@ -324,3 +324,30 @@ def test_deberta_v2_from_the_dynamo_exporter():
     embeds = [n for n in result.model.graph.node if n.op_type == "EmbedLayerNormalization"]
     assert len(embeds) == 1 and len(embeds[0].input) <= 8, "positions are the kernel's own 0..S-1"
     assert result.report.model_check["summary"].startswith("agree"), result.report.model_check
+
+
+def _folded(term: np.ndarray) -> onnx.ModelProto:
+    """A static-shape export with constant folding: the position lookup of 0..S-1 is a stored [.., S, H] term."""
+    g = _G()
+    g.inputs[0] = oh.make_tensor_value_info("ids", TensorProto.INT64, [2, 4])
+    word = g.node("Gather", [g.table("word", V), "ids"], "word_emb")
+    model = g.norm(g.node("Add", [word, g.const("pos_term", term.astype(np.float32))], "s"))
+    model.graph.output[0].type.tensor_type.shape.CopyFrom(onnx.TensorShapeProto(dim=[
+        onnx.TensorShapeProto.Dimension(dim_value=d) for d in (2, 4, H)]))
+    return model
+
+
+def test_a_folded_position_term_is_the_position_table():
+    term = np.random.default_rng(4).normal(size=(1, 4, H))
+    result = lnfuse.fuse(_folded(term), verify_model=True)
+    embed = [n for n in result.model.graph.node if n.op_type == "EmbedLayerNormalization"]
+    assert len(embed) == 1 and len(embed[0].input) <= 8, op_types(result.model)
+    assert result.report.model_check["summary"].startswith("agree")
+
+
+def test_a_constant_term_that_differs_between_batch_rows_is_not_a_lookup():
+    term = np.random.default_rng(4).normal(size=(2, 4, H))
+    result = lnfuse.fuse(_folded(term), verify_model=True)
+    assert "EmbedLayerNormalization" not in op_types(result.model)
+    assert any("differs between batch rows" in note for note in result.report.notes), result.report.notes
+    assert result.report.model_check["summary"].startswith("agree")

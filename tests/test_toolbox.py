@@ -114,6 +114,31 @@ def test_fuse_pass_runs_in_a_pass_manager_after_onnxscript_passes(exported, targ
     np.testing.assert_allclose(_run(ir.serde.serialize_model(result.model), x), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_fuse_pass_folds_the_residual_into_torch_layer_norm():
+    """nn.LayerNorm exports as LayerNormalization; with target ort the residual Add before it becomes a Skip op."""
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense, self.norm = torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)
+
+        def forward(self, x):
+            return self.norm(self.dense(x) + x)
+
+    torch.manual_seed(0)
+    module, x = Residual().eval(), torch.randn(2, 5, 16)
+    program = torch.onnx.export(module, (x,), dynamo=True, verbose=False)
+    assert "LayerNormalization" in _ops(program.model)
+    fuse_pass = lnfuse.FusePass()
+    result = ir.passes.PassManager([fuse_pass, ir.passes.common.RemoveUnusedNodesPass()])(program.model)
+    assert result.modified and fuse_pass.report.fused_counts() == {"SkipLayerNormalization": 1}
+    assert "LayerNormalization" not in _ops(result.model)
+    with torch.no_grad():
+        expected = module(x).numpy()
+    np.testing.assert_allclose(_run(ir.serde.serialize_model(result.model), x.numpy()), expected, rtol=1e-4,
+                               atol=1e-5)
+
+
 def test_fuse_pass_is_functional_and_checks_its_options_when_built(exported):
     program, _, _ = exported
     model = _fresh(program)
@@ -176,6 +201,36 @@ def test_a_skip_op_names_the_input_nodes_of_the_norm_it_absorbed(tmp_path):
         assert set(replaced) <= input_names and {"ReduceMean", "Add"} <= {r.split("/")[-1].split("_")[0]
                                                                           for r in replaced}
     assert json.loads(_props(written.metadata_props)["lnfuse.options"])["verify"] is False
+
+
+def test_a_malformed_provenance_record_in_the_input_is_ignored():
+    source = onnx.load(BERT_OP18)
+    reduce_mean = next(n for n in source.graph.node if n.op_type == "ReduceMean")
+    reduce_mean.metadata_props.add(key="lnfuse.replaced", value="{not json")
+    result = lnfuse.fuse(source, target="onnx", verify=False)
+    records = [json.loads(n.metadata_props["lnfuse.replaced"]) for n in result.ir_model.graph
+               if n.op_type == "LayerNormalization"]
+    assert len(records) == 5 and any(reduce_mean.name in names for names in records)
+
+
+def test_quantized_embedding_names_the_input_nodes_it_stands_for(tmp_path):
+    out = tmp_path / "q.onnx"
+    assert main([str(BERT), "-o", str(out), "-q", "--quantize-embeddings", "uint8"]) == 0
+    node = next(n for n in onnx.load(out).graph.node if n.op_type == "QEmbedLayerNormalization")
+    meta = _props(node.metadata_props)
+    assert meta["lnfuse.rule"] == "quantize_embeddings"
+    assert {"/word/Gather", "/embedding_norm/ReduceMean"} <= set(json.loads(meta["lnfuse.replaced"]))
+
+
+def test_decompose_replaces_what_an_earlier_fuse_recorded(tmp_path):
+    fused, plain = tmp_path / "fused.onnx", tmp_path / "plain.onnx"
+    assert main([str(BERT_OP18), "-o", str(fused), "-q", "--target", "onnx"]) == 0
+    assert main(["decompose", str(fused), "-o", str(plain), "-q"]) == 0
+    written = onnx.load(plain)
+    onnx.checker.check_model(written, full_check=True)
+    props = _props(written.metadata_props)
+    assert json.loads(props["lnfuse.decomposed"]) == {"LayerNormalization": 5} and props["lnfuse.left"] == "0"
+    assert "lnfuse.fused" not in props and json.loads(props["lnfuse.options"])["command"] == "decompose"
 
 
 def test_annotated_copy_carries_the_reasons_and_the_same_weights(tmp_path, capsys):
