@@ -72,15 +72,10 @@ def reference_simplified():
     return skip_simplified_layer_normalization
 
 
-def _is_vector(value: ir.Value) -> bool:
-    return value.shape is not None and len(value.shape) == 1
-
-
-# s = a + b, with an optional 1-D bias added before or after the residual (a full-size third addend is a residual
-# chain, not a bias: only the last Add is the kernel's)
+# s = a + b, with an optional 1-D bias added before or after the residual
 SUM = Either(
-    Op("Add", Op("Add", Var("a"), Var("b"), name="add_inner"), Var("bias", where=_is_vector), name="add"),
-    Op("Add", Op("Add", Var("a"), Var("bias", where=_is_vector), name="add_bias"), Var("b"), name="add"),
+    Op("Add", Op("Add", Var("a"), Var("b"), name="add_inner"), Var("bias"), name="add"),
+    Op("Add", Op("Add", Var("a"), Var("bias"), name="add_bias"), Var("b"), name="add"),
     Op("Add", Var("a"), Var("b"), name="add"),
 )
 
