@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-tool", default="lnfuse", choices=list(TOOLS))
     parser.add_argument("--top", type=int, default=25, help="rows per profile listing")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
+    parser.add_argument("--only", metavar="MODEL[,MODEL]", help="time only these model files (e.g. "
+                        f"{BERT_BASE})")
     parser.add_argument("--process-rounds", type=int, default=3, help="rounds of each tool as a whole process "
                         "(interpreter start included; 0: skip)")
     parser.add_argument("--process-models", default=BERT_BASE, help="comma-separated model file names timed as "
@@ -337,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             profile(target, args.profile_tool, scratch, args.top)
             return 0
         models, notes = model_paths(args.models)
+        if args.only:
+            models = [m for m in models if m.name in args.only.split(",")]
         cpu_start = cpu_snapshot()
         warm_up(tools, scratch)
         start = time.perf_counter()

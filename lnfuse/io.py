@@ -278,8 +278,9 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     return Loaded(model, path, declared, has_external, error, attach(model, lazy) if lazy else None)
 
 
-#: what the inferred skeleton holds of the full model: its nodes (with the subgraphs' value_info) and its outputs
-_INFERRED_GRAPH_FIELDS = ("node", "output")
+#: what the inferred skeleton holds of the full model: its nodes (with the subgraphs' value_info), its outputs, and
+#: its value_info (taken out before, for _set_types)
+_INFERRED_GRAPH_FIELDS = ("node", "output", "value_info")
 
 
 def _with_inferred_graph(proto: onnx.ModelProto, inferred: onnx.ModelProto, constants: list[int]
