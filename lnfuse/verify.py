@@ -13,6 +13,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -534,10 +535,13 @@ def compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float) 
     return err, bool(np.all(diff <= atol + rtol * np.abs(expected[finite])))
 
 
-def session(model: onnx.ModelProto | bytes | str, optimize: bool = False, threads: int = 0) -> ort.InferenceSession:
+def session(model: onnx.ModelProto | bytes | str, optimize: bool = False, threads: int = 0,
+            data_folder: Path | None = None) -> ort.InferenceSession:
     """An ORT CPU session; graph optimizations off unless asked (so ORT's own fusions do not hide differences).
-    ``threads=0`` lets ORT choose."""
+    ``threads=0`` lets ORT choose. ``data_folder`` is where an in-memory model's external data lies."""
     options = ort.SessionOptions()
+    if data_folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(data_folder))
     options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                         else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     options.log_severity_level = 4

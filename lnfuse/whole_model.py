@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -262,13 +261,9 @@ def _tolerance(elem_type: int | None) -> tuple[float, float]:
 
 
 def _session(model: onnx.ModelProto, base_dir: Path | None):
-    if base_dir is not None and any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-        # external data locations are relative to the model file: load it from beside the data
-        with tempfile.NamedTemporaryFile(dir=base_dir, suffix=".lnfuse-check.onnx") as tmp:
-            tmp.write(model.SerializeToString())
-            tmp.flush()
-            return session(tmp.name)
-    return session(model)
+    # external data locations are relative to the model's folder: ORT reads them from there, and nothing is
+    # written anywhere (the input's folder may be read-only, and is never ours to write)
+    return session(model, data_folder=base_dir)
 
 
 def _outputs(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -153,3 +153,18 @@ def test_related_dims_named_apart_are_found_by_tries():
     assert feeds["input_ids"].shape[1] == 1 and feeds["total_mask"].shape[1] == 1
     assert feeds["attention_mask"].shape[1] == feeds["past"].shape[1] + 1
     assert feeds["input_ids"].max() < 10 and outputs["y"].shape[1] == feeds["past"].shape[1] + 1
+
+
+def test_whole_model_check_writes_nothing_beside_the_input(tmp_path: Path):
+    """ORT reads the external data from the input's folder; no temporary model is put there (the folder may be
+    read-only, and a file appearing in it, even briefly, changes its modification time)."""
+    folder, out = tmp_path / "model", tmp_path / "out"
+    folder.mkdir()
+    out.mkdir()
+    onnx.save_model(onnx.load(SAMPLES / "wm_vit_legacy_op14.onnx"), folder / "vit.onnx", save_as_external_data=True,
+                    location="vit.onnx.data", size_threshold=1024)
+    before = (sorted(p.name for p in folder.iterdir()), folder.stat().st_mtime_ns)
+    result = lnfuse.fuse(folder / "vit.onnx", verify_model=True)
+    assert result.report.model_check["ok"], result.report.model_check
+    result.save(out / "fused.onnx")
+    assert (sorted(p.name for p in folder.iterdir()), folder.stat().st_mtime_ns) == before
