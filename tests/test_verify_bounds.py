@@ -172,7 +172,7 @@ def test_norm_in_a_loop_body_of_unknown_shape_fuses_verified(typed):
         np.testing.assert_allclose(_run(result.model, feeds)[0], _run(model, feeds)[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("hash_seed", ["1", "12"])
+@pytest.mark.parametrize("hash_seed", ["12"])
 def test_a_broadcast_inference_assumed_stays_unproven_under_any_hash_seed(hash_seed):
     """Inputs with dim names of their own: token_type_ids may be [B, 1]. ORT's symbolic inference merges the
     sequence symbols, and which name survives follows set order (PYTHONHASHSEED=12 made the merged name one the
