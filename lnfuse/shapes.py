@@ -177,7 +177,7 @@ def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
             while inference.run_:
                 inference._infer_impl()
             inference._update_output_from_vi()
-            _rename_assumed_dims(inference.out_mp_, inference.assumed)
+            _rename_assumed_dims(inference.out_mp_, inference.assumed, inference.suggested_merge_)
             return inference.out_mp_
     except Exception:  # noqa: BLE001 - many internal failure types; onnx's inference is the fallback
         return None
@@ -221,11 +221,14 @@ def _recording_inference():
     return Recording
 
 
-def _rename_assumed_dims(model: onnx.ModelProto, assumed: list) -> None:
+def _rename_assumed_dims(model: onnx.ModelProto, assumed: list, merges: dict) -> None:
     """The output of a node where ORT assumed two dims equal gets a dim of its own there, so that no rule proves
-    the node's result the same shape as one of its inputs (a residual Add whose skip may broadcast)."""
+    the node's result the same shape as one of its inputs (a residual Add whose skip may broadcast). ORT merges
+    the symbols for the whole graph, and a later merge may rename them again (which one survives follows set
+    order, so Python's hash seed): the names looked for are the symbols and what they finally became."""
     values = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output)}
-    for index, (node, symbols) in enumerate(assumed):
+    for index, (node, merged) in enumerate(assumed):
+        symbols = set(merged) | {str(merges[s]) for s in merged if s in merges}
         for name in node.output:
             value = values.get(name)
             if value is None or not value.type.tensor_type.HasField("shape"):

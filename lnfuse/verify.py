@@ -43,7 +43,7 @@ _LARGE = 1 << 16
 #: 30,000-row embedding costs a few kilobytes instead of a full random table per region
 _TABLE_ROWS = 64
 #: ops that carry lookup ids through unchanged in value
-_ID_MOVES = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"})
+ID_MOVES = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"})
 #: nodes a region may borrow from its graph to compute what both of its sides read
 _MAX_PRELUDE = 48
 _INTEGERS = (ir.DataType.INT64, ir.DataType.INT32)
@@ -142,7 +142,6 @@ class _Region:
         # integer inputs used as Gather indices get valid indices for their table
         self.bounds = _id_bounds(old_nodes)
         self.dtypes = {v: self._dtype(v) for v in self.inputs}
-        self.shrunk = False
         self.size = 0
         self.feeds = self._feeds(np.random.default_rng(seed))
 
@@ -169,7 +168,6 @@ class _Region:
                     f"its inputs would take {_bytes(shapes, self.dtypes) / 2**20:,.0f} MiB ('{value.name}' is "
                     f"{shapes[value]}), over the {BUDGET >> 20} MiB verification budget even with the norm's rows "
                     "cut to a few (the normalized axes cannot be cut)")
-            self.shrunk = True
         self.size = _bytes(shapes, self.dtypes)
         feeds = {}
         for value, shape in shapes.items():
@@ -301,7 +299,7 @@ def _row_shrink(rep: Replacement) -> dict[int, int]:
     """Static sizes of the fused op's rows, each mapped to a small size: verifying a row-wise op on a few rows
     proves it on any number. A row size equal to a normalized size is kept (the two cannot be told apart)."""
     node = _fused_node(rep)
-    if node is None or node.op_type not in _ROW_WISE or node.inputs[0] is None or node.inputs[0].shape is None:
+    if node is None or node.op_type not in _ROW_WISE or node.inputs[0] is None or not node.inputs[0].shape:
         return {}
     shape, how = list(node.inputs[0].shape), _ROW_WISE[node.op_type]
     axis = attr_value(node, "axis", -1) if how == "axis" else how
@@ -418,7 +416,7 @@ def _id_bounds(nodes: Sequence[ir.Node]) -> dict[ir.Value, int]:
         while True:
             bounds[ids] = min(bound, bounds.get(ids, bound))
             source = ids.producer()
-            if source is None or source not in inside or source.op_type not in _ID_MOVES:
+            if source is None or source not in inside or source.op_type not in ID_MOVES:
                 break
             ids = source.inputs[0]
     return bounds

@@ -10,15 +10,13 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse.errors import InputError, UsageError, first_line
-from lnfuse.verify import BUDGET, TOLERANCE, compare, dim_size, session
+from lnfuse.verify import BUDGET, ID_MOVES, TOLERANCE, compare, dim_size, session
 
 #: sizes tried for the spatial dims of an image (read by a 2-D or 3-D Conv) or a signal (a 1-D Conv), in order: the
 #: sizes models are trained at come first, since a position table may fix them; each try is one run of the model
 _SPATIAL_TRIES = {2: (32, 64, 224, 16, 128, 256, 384, 512), 1: (400, 1600, 4000, 16000)}
 #: ops that keep the axes of their first input in place (the way from a pixel input to its first Conv)
 _SAME_AXES = frozenset({"Cast", "Identity", "Add", "Sub", "Mul", "Div", "Pad", "Relu", "Clip", "CastLike"})
-#: ops that carry lookup ids through unchanged in value
-_ID_MOVES = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"})
 _ID_ROWS = 64
 _SAME_SIZES = (4, 1)
 
@@ -88,7 +86,7 @@ class _InputPlan:
             elif node.op_type == "Gather" and index == 1 and node.input[0] in initializers:
                 rows = initializers[node.input[0]].dims[_axis(node) if _axis(node) >= 0 else 0]
                 self.bounds[source] = min(self.bounds.get(source, rows), rows)
-            elif node.op_type in _ID_MOVES and index == 0 and node.op_type != "Unsqueeze":
+            elif node.op_type in ID_MOVES and index == 0 and node.op_type != "Unsqueeze":
                 if node.op_type in ("Cast", "Identity"):
                     self._follow(node.output[0], axes, source, readers, initializers)
                 else:
@@ -108,7 +106,7 @@ class _InputPlan:
             if node.op_type == "Gather" and index == 1 and node.input[0] in initializers:
                 rows = initializers[node.input[0]].dims[_axis(node) if _axis(node) >= 0 else 0]
                 self.bounds[source] = min(self.bounds.get(source, rows), rows)
-            elif node.op_type in _ID_MOVES and index == 0:
+            elif node.op_type in ID_MOVES and index == 0:
                 self._follow_ids(node.output[0], source, readers, initializers)
 
     def _conv(self, node: onnx.NodeProto, axes: list[int | None], source: str, initializers) -> None:
