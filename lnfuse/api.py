@@ -209,8 +209,9 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     needed = 23 if any(u.rule == "rms_norm" and u.check == "opset" for u in report.unfused) else 17
     try:
         converted = onnx.version_converter.convert_version(original, needed)
-        upgraded = io.load(converted, base_dir=anchor(loaded))
-        anchor(upgraded, anchor(loaded))
+        folder = anchor(loaded)
+        upgraded = io.load(converted, base_dir=folder)  # the input's data, checked against the input's folder
+        anchor(upgraded, folder)
     except Exception as error:  # noqa: BLE001 - the converter raises many types; the report says why
         report.notes.append(f"--upgrade-opset: onnx's version converter could not reach opset {needed} "
                             f"({str(error).splitlines()[0][:200]}); the model keeps its opset")

@@ -235,8 +235,8 @@ def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
 
 
 def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path | None = None) -> Loaded:
-    """Read, validate and shape-infer a model; external weights stay on disk. ``base_dir`` anchors the external
-    data of a ModelProto that lnfuse made from a file (the working directory otherwise, as onnx_ir reads it)."""
+    """Read, validate and shape-infer a model; external weights stay on disk. ``base_dir``: the folder a
+    ModelProto's external data lies in (by default the working directory, where onnx_ir would read it)."""
     if isinstance(source, ir.Model):
         # work on a copy: the caller's model is never modified; external tensors keep pointing at their files
         base_dir = _one_base_dir(source)
@@ -275,7 +275,8 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     infer_function_types(model)
     if has_external and (path is not None or base_dir is not None):
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
-    model.meta[INPUT_FILES] = ([path] if path is not None else []) + data_files
+    # absolute: a script may change directory between reading and saving
+    model.meta[INPUT_FILES] = [Path(os.path.abspath(f)) for f in ([path] if path is not None else []) + data_files]
     return Loaded(model, path, declared, has_external, error, attach(model, lazy) if lazy else None)
 
 
