@@ -5,13 +5,47 @@ Shared by ``speed.py`` (its whole-process column) and ``scale.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+_ORT_CPP = ("import sys, onnxruntime as ort; ort.set_default_logger_severity(3); o = ort.SessionOptions(); "
+            "o.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED; "
+            "o.optimized_model_filepath = sys.argv[2]; "
+            "ort.InferenceSession(sys.argv[1], o, providers=['CPUExecutionProvider'])")
+_ORT_TRANSFORMERS = ("import sys; from onnxruntime.transformers.optimizer import optimize_model; "
+                     "optimize_model(sys.argv[1], model_type='bert', num_heads=0, hidden_size=0, opt_level=0)"
+                     ".save_model_to_file(sys.argv[2])")
+_ONNXSCRIPT = ("import sys, onnx; from onnxscript.rewriter import rewrite; "
+               "from onnxscript.rewriter.rules.fusion._layer_norm import layer_normalization_rules as a; "
+               "from onnxscript.rewriter.rules.fusion._rms_normalization import rms_normalization_rules as b; "
+               "onnx.save(rewrite(onnx.load(sys.argv[1]), [*a, *b]), sys.argv[2])")
+
+#: each tool as a command line: the same work as the in-process tools of speed.py, plus the interpreter's start
+#: and the tool's imports
+SNIPPETS = {
+    "floor": "import sys, onnx; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])",
+    "onnx": "import sys, onnx; m = onnx.load(sys.argv[1]); onnx.checker.check_model(m); onnx.save(m, sys.argv[2])",
+    "onnx_ir": "import sys, onnx_ir as ir; ir.save(ir.load(sys.argv[1]), sys.argv[2])",
+    "ort-cpp": _ORT_CPP,
+    "ort-transformers": _ORT_TRANSFORMERS,
+    "onnxscript": _ONNXSCRIPT,
+}
+
+
+def command(tool: str, model: Path, out: Path) -> list[str]:
+    """The command that runs ``tool`` on ``model`` and writes ``out``: lnfuse's own CLI, or a one-line script."""
+    if tool in ("lnfuse", "lnfuse-noverify"):
+        return [sys.executable, "-m", "lnfuse.cli", "-q", str(model), "-o", str(out),
+                *(["--no-verify"] if tool == "lnfuse-noverify" else [])]
+    return [sys.executable, "-c", SNIPPETS[tool], str(model), str(out)]
 
 
 @dataclass(frozen=True)
@@ -25,7 +59,17 @@ class ChildRun:
 
 
 def run_child(argv: list[str], timeout: float = 900) -> ChildRun:
-    """Wall time from start to exit and peak RSS (``wait4``: the child's own) of one command."""
+    """Wall time from start to exit and peak RSS of one command.
+
+    The command is started by a small launcher (this file run as a script), not by the caller: Linux counts the
+    peak RSS of the process a child was forked from into the child's, and the caller may hold gigabytes."""
+    done = subprocess.run([sys.executable, __file__, str(timeout), *argv], stdout=subprocess.PIPE, check=True)
+    seconds, peak, error = json.loads(done.stdout)
+    return ChildRun(seconds, peak, error)
+
+
+def _measure(argv: list[str], timeout: float) -> tuple[float, float, str | None]:
+    """(seconds, peak RSS in MB from wait4, error or None) of one command, started from this process."""
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
@@ -39,12 +83,12 @@ def run_child(argv: list[str], timeout: float = 900) -> ChildRun:
         proc.returncode = code = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         peak = usage.ru_maxrss / 1024
         if code == 0:
-            return ChildRun(seconds, peak)
+            return seconds, peak, None
         if seconds >= timeout:
-            return ChildRun(seconds, peak, f"timeout after {timeout:.0f} s")
+            return seconds, peak, f"timeout after {timeout:.0f} s"
         err.seek(0)
         last = (err.read().decode(errors="replace").strip().splitlines() or [""])[-1]
-        return ChildRun(seconds, peak, f"exit {code}: {last[:120]}")
+        return seconds, peak, f"exit {code}: {last[:120]}"
 
 
 def cpu_snapshot() -> tuple[float, float, float] | None:
@@ -72,3 +116,7 @@ def competition_note(start: tuple[float, float, float] | None) -> str:
     verdict = "quiet" if share < 0.05 else "BUSY: other processes competed; compare the ratios, not the seconds"
     return f"other processes used {max(0.0, others):.0f} CPU-s of {os.cpu_count()} cores x {wall:.0f} s " \
            f"({share:.0%}): {verdict}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_measure(sys.argv[2:], float(sys.argv[1]))))

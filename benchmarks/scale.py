@@ -37,7 +37,7 @@ import onnx.helper as oh
 from onnx import TensorProto, numpy_helper
 
 from make_models import DEFAULT_OUT
-from process import ChildRun, competition_note, cpu_snapshot, run_child
+from process import ChildRun, command, competition_note, cpu_snapshot, run_child
 
 CONSTANT_LAYERS = 10
 CONSTANT_HIDDEN, CONSTANT_FFN = 1024, 4096
@@ -138,21 +138,9 @@ def ensure_model(folder: Path, name: str, build) -> Path:
     return path
 
 
-# =========================================================================== tools: each a child process
+# =========================================================================== tools: each a child process (process.py)
 
-TOOLS = {
-    "lnfuse": lambda model, out: [sys.executable, "-m", "lnfuse.cli", "-q", str(model), "-o", str(out)],
-    "onnx_ir": lambda model, out: [sys.executable, "-c", "import sys, onnx_ir as ir; "
-                                   "ir.save(ir.load(sys.argv[1]), sys.argv[2])", str(model), str(out)],
-    "onnx": lambda model, out: [sys.executable, "-c", "import sys, onnx; m = onnx.load(sys.argv[1]); "
-                                "onnx.checker.check_model(m); onnx.save(m, sys.argv[2])", str(model), str(out)],
-    "ort-cpp": lambda model, out: [sys.executable, "-c", "import sys, onnxruntime as ort; "
-                                   "o = ort.SessionOptions(); ort.set_default_logger_severity(3); "
-                                   "o.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED; "
-                                   "o.optimized_model_filepath = sys.argv[2]; "
-                                   "ort.InferenceSession(sys.argv[1], o, providers=['CPUExecutionProvider'])",
-                                   str(model), str(out)],
-}
+TOOLS = ("lnfuse", "onnx_ir", "onnx", "ort-cpp")
 
 
 def run_rounds(models: list[Path], tools: list[str], rounds: int, scratch: Path,
@@ -162,7 +150,7 @@ def run_rounds(models: list[Path], tools: list[str], rounds: int, scratch: Path,
         for i, model in enumerate(models):
             for tool in tools[(r + i) % len(tools):] + tools[:(r + i) % len(tools)]:
                 out = scratch / f"{tool}-{model.name}"
-                runs[model.name, tool].append(run_child(TOOLS[tool](model, out), timeout))
+                runs[model.name, tool].append(run_child(command(tool, model, out), timeout))
                 out.unlink(missing_ok=True)
                 print(f"round {r + 1}: {model.stem} {tool}: {runs[model.name, tool][-1]}", file=sys.stderr,
                       flush=True)

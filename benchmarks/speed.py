@@ -20,8 +20,13 @@ Every tool goes from the file on disk to a written file, so each time includes l
 All runs happen in this one process, in rounds: each round runs every tool once on every model, and the order of
 the tools rotates from round to round and model to model, so drift (page cache, thermal, memory) spreads evenly.
 Before the first round each tool runs once, untimed, on a shipped tiny model to pay for imports. Medians are printed,
-with ratios to the floor and to ORT's C++ optimizer, and PASS/FAIL lines for the targets:
+with ratios to the floor and to ORT's C++ optimizer.
 
+Then, for BERT-base (``--process-models``), every tool also runs as a whole process as a user runs it
+(``process.py``: lnfuse's CLI, the others as one-line scripts), interpreter start and imports included: the
+``process s`` column, its ratio to ORT's C++ optimizer run the same way, and the peak RSS. PASS/FAIL lines:
+
+* lnfuse as a whole process at most 0.7x ORT's C++ optimizer as a whole process, on BERT-base;
 * lnfuse (verification on) no slower than ORT's C++ optimizer offline, per model;
 * lnfuse (verification on) within 1.5x of the floor, per model;
 * lnfuse (verification on) at 96 layers within 8.5x of 12 layers (8x the layers).
@@ -36,9 +41,7 @@ import gc
 import io
 import json
 import logging
-import os
 import pstats
-import resource
 import statistics
 import sys
 import tempfile
@@ -53,6 +56,7 @@ import onnxruntime as ort
 
 # Run as a script, so this file's folder is on sys.path and make_models (next to it) imports without torch.
 from make_models import DEFAULT_OUT, STACK_LAYERS, ensure_stacks, stack_model_name
+from process import ChildRun, command, competition_note, cpu_snapshot, run_child
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_MODEL = REPO / "sample_models" / "bert_tiny_legacy_op14.onnx"
@@ -60,6 +64,7 @@ BERT_BASE = "bert_base_legacy_op14.onnx"
 
 FLOOR_LIMIT = 1.5  # lnfuse / floor
 DEPTH_LIMIT = 8.5  # lnfuse at 96 layers / at 12 layers
+PROCESS_LIMIT = 0.7  # lnfuse / ORT's C++ optimizer, each as a whole process, on BERT-base
 
 
 # =========================================================================== the tools: path in, file out
@@ -159,6 +164,28 @@ def run_rounds(models: list[Path], tools: list[str], rounds: int, scratch: Path,
     return times
 
 
+def run_process_rounds(models: list[Path], tools: list[str], rounds: int, scratch: Path,
+                       progress: bool) -> dict[tuple[str, str], list[ChildRun]]:
+    """Each tool as a whole process (``process.command``): interpreter start and imports included, as a user
+    pays them. Rotated like ``run_rounds``."""
+    runs: dict[tuple[str, str], list[ChildRun]] = {(m.name, t): [] for m in models for t in tools}
+    for r in range(rounds):
+        round_start = time.perf_counter()
+        for i, model in enumerate(models):
+            for tool in rotated(tools, r + i):
+                out = scratch / f"process-{tool}-{model.name}"
+                runs[model.name, tool].append(run_child(command(tool, model, out)))
+                out.unlink(missing_ok=True)
+        if progress:
+            print(f"process round {r + 1}/{rounds}: {time.perf_counter() - round_start:.0f} s", file=sys.stderr,
+                  flush=True)
+    return runs
+
+
+def process_median(runs: list[ChildRun]) -> float | None:
+    return statistics.median(r.seconds for r in runs) if runs and not any(r.error for r in runs) else None
+
+
 def warm_up(tools: list[str], scratch: Path) -> None:
     for tool in tools:
         time_once(tool, WARMUP_MODEL, scratch)
@@ -172,30 +199,6 @@ def median(samples: list[float | str]) -> float | None:
 # =========================================================================== reporting
 
 
-def cpu_snapshot() -> tuple[float, float, float] | None:
-    """(wall clock, CPU seconds used by the whole machine, CPU seconds used by this process), or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # everything but idle and iowait
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.ru_utime + own.ru_stime
-
-
-def competition_note(start: tuple[float, float, float] | None) -> str:
-    """Timings are only as good as the machine was quiet: how much CPU other processes took during the run."""
-    end = cpu_snapshot()
-    if start is None or end is None:
-        return "note: could not read /proc/stat to check for competing processes"
-    wall, others = end[0] - start[0], (end[1] - start[1]) - (end[2] - start[2])
-    share = max(0.0, others) / (wall * (os.cpu_count() or 1))
-    verdict = "quiet" if share < 0.05 else "BUSY: other processes competed, the timings are inflated; rerun"
-    return f"other processes used {max(0.0, others):.0f} CPU-s of {os.cpu_count()} cores x {wall:.0f} s " \
-           f"({share:.0%}): {verdict}"
-
-
 def first_error(samples: list[float | str]) -> str | None:
     return next((s for s in samples if isinstance(s, str)), None)
 
@@ -204,19 +207,32 @@ def ratio_text(value: float, base: float | None) -> str:
     return f"{value / base:.2f}" if base else "-"
 
 
-def print_table(models: list[Path], tools: list[str], times: dict[tuple[str, str], list[float | str]]) -> None:
-    print(f"{'model':28s} {'tool':17s} {'median s':>9s} {'min s':>7s} {'max s':>7s} {'x floor':>8s} {'x ort-cpp':>9s}")
+def print_table(models: list[Path], tools: list[str], times: dict[tuple[str, str], list[float | str]],
+                processes: dict[tuple[str, str], list[ChildRun]]) -> None:
+    """In-process medians, then (when measured) the same tool as a whole process: seconds, ratio to ORT's C++
+    optimizer run the same way, and peak RSS."""
+    print(f"{'model':28s} {'tool':17s} {'median s':>9s} {'min s':>7s} {'max s':>7s} {'x floor':>8s} {'x ort-cpp':>9s}"
+          f" {'process s':>10s} {'x ort-cpp':>9s} {'peak MB':>8s}")
     for model in models:
         floor = median(times.get((model.name, "floor"), []))
         cpp = median(times.get((model.name, "ort-cpp"), []))
+        cpp_process = process_median(processes.get((model.name, "ort-cpp"), []))
         for tool in tools:
             samples = times[model.name, tool]
             med = median(samples)
             if med is None:
                 print(f"{model.stem:28s} {tool:17s} {first_error(samples) or 'no data'}")
                 continue
-            print(f"{model.stem:28s} {tool:17s} {med:9.2f} {min(samples):7.2f} {max(samples):7.2f} "
-                  f"{ratio_text(med, floor):>8s} {ratio_text(med, cpp):>9s}")
+            line = (f"{model.stem:28s} {tool:17s} {med:9.2f} {min(samples):7.2f} {max(samples):7.2f} "
+                    f"{ratio_text(med, floor):>8s} {ratio_text(med, cpp):>9s}")
+            runs = processes.get((model.name, tool), [])
+            whole = process_median(runs)
+            if whole is not None:
+                peak = statistics.median(r.peak_mb for r in runs)
+                line += f" {whole:10.2f} {ratio_text(whole, cpp_process):>9s} {peak:8.0f}"
+            elif runs:
+                line += f" {next(r.error for r in runs if r.error)}"
+            print(line)
         print()
 
 
@@ -230,8 +246,15 @@ def depth_ratios(tools: list[str], times: dict[tuple[str, str], list[float | str
 
 
 def target_lines(models: list[Path], times: dict[tuple[str, str], list[float | str]],
-                 depth: dict[str, float | None]) -> list[str]:
+                 depth: dict[str, float | None], processes: dict[tuple[str, str], list[ChildRun]]) -> list[str]:
     lines = []
+    bert = next((m for m in models if m.name == BERT_BASE), None)
+    if bert is not None:
+        lnf, cpp = (process_median(processes.get((bert.name, t), [])) for t in ("lnfuse", "ort-cpp"))
+        if lnf is not None and cpp is not None:
+            verdict = "PASS" if lnf <= PROCESS_LIMIT * cpp else "FAIL"
+            lines.append(f"{verdict}  {bert.stem}, whole process: lnfuse {lnf:.2f} s vs ORT C++ optimizer {cpp:.2f} s "
+                         f"({lnf / cpp:.2f}x, target <= {PROCESS_LIMIT}x)")
     for model in models:
         lnf, cpp, floor = (median(times.get((model.name, t), [])) for t in ("lnfuse", "ort-cpp", "floor"))
         if lnf is not None and cpp is not None:
@@ -297,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-tool", default="lnfuse", choices=list(TOOLS))
     parser.add_argument("--top", type=int, default=25, help="rows per profile listing")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
+    parser.add_argument("--only", metavar="MODEL[,MODEL]", help="time only these model files (e.g. "
+                        f"{BERT_BASE})")
+    parser.add_argument("--process-rounds", type=int, default=3, help="rounds of each tool as a whole process "
+                        "(interpreter start included; 0: skip)")
+    parser.add_argument("--process-models", default=BERT_BASE, help="comma-separated model file names timed as "
+                        "whole processes too ('all': every model)")
     args = parser.parse_args(argv)
     tools = [t for t in args.tools.split(",") if t]
     if set(tools) - set(TOOLS):
@@ -310,15 +339,19 @@ def main(argv: list[str] | None = None) -> int:
             profile(target, args.profile_tool, scratch, args.top)
             return 0
         models, notes = model_paths(args.models)
+        if args.only:
+            models = [m for m in models if m.name in args.only.split(",")]
         cpu_start = cpu_snapshot()
         warm_up(tools, scratch)
         start = time.perf_counter()
         times = run_rounds(models, tools, args.rounds, scratch, progress=not args.quiet)
-    print_table(models, tools, times)
+        chosen = [m for m in models if args.process_models == "all" or m.name in args.process_models.split(",")]
+        processes = run_process_rounds(chosen, tools, args.process_rounds, scratch, progress=not args.quiet)
+    print_table(models, tools, times, processes)
     depth = depth_ratios(tools, times)
     print_depth(depth)
     print()
-    print("\n".join(target_lines(models, times, depth) + notes))
+    print("\n".join(target_lines(models, times, depth, processes) + notes))
     elapsed = time.perf_counter() - start
     print(f"\n{args.rounds} rounds, {elapsed:.0f} s; ORT {ort.__version__}, onnx {onnx.__version__}")
     print(competition_note(cpu_start))

@@ -216,6 +216,10 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
                             f"({str(error).splitlines()[0][:200]}); the model keeps its opset")
         return loaded, report
     upgraded.declared_value_info = loaded.declared_value_info
+    # the converted model is the same file's graph: its external data stays beside the input, wherever we run from
+    upgraded.path, upgraded.source, upgraded.has_external_data = loaded.path, loaded.source, loaded.has_external_data
+    if loaded.path is not None:
+        ir.external_data.set_base_dir(upgraded.model.graph, loaded.path.parent)
     upgraded_report = _run(upgraded, options, source)
     try:
         check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs,

@@ -157,16 +157,16 @@ def _run(command: str, args: argparse.Namespace) -> int:
                   file=sys.stderr if args.json else sys.stdout)
         return 0
     if command == "check":
-        if args.json:
+        if args.json:  # the report alone, so that scripts can parse stdout
             print(report.to_json())
+            return 1 if report.unfused else 0
         for u in report.unfused:
             print(f"unfused: {u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
             if args.verbose:
                 for o in u.others:
                     print(f"  also refused: [{u.rule}/{o.check}] {o.reason} (a form of {o.matched} nodes)")
-        if not args.json:
-            print(f"lnfuse check: {len(report.unfused)} candidate(s) left unfused, "
-                  f"{sum(report.fused_counts().values())} fusable")
+        print(f"lnfuse check: {len(report.unfused)} candidate(s) left unfused, "
+              f"{sum(report.fused_counts().values())} fusable")
         return 1 if report.unfused else 0
     if report.model_check is not None and not report.model_check["ok"]:
         print(f"lnfuse: error: the fused model differs from the original ({report.model_check['summary']}); "

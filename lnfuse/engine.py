@@ -12,10 +12,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
 from lnfuse.canonical import canonicalize
+from lnfuse.constants import static_value
 from lnfuse.pattern import Match
 from lnfuse.provenance import mark_fused
 from lnfuse.report import Fused, Refused, Report, Unfused
@@ -501,9 +503,11 @@ def _infer_node(node: ir.Node, opsets: dict[str, int], ir_version: int) -> bool:
         return False
     known = [v for v in node.inputs if v is not None and v.type is not None]
     types = {v.name: ir.serde.serialize_value(v).type for v in known}
-    data = {v.name: ir.serde.serialize_tensor(v.const_value) for v in known
-            if v.const_value is not None and v.shape is not None and v.shape.is_static()
-            and math.prod(v.shape.numpy()) <= 64}
+    data = {}
+    for v in known:  # small constants (axes, Reshape targets) decide output shapes
+        if v.shape is not None and v.shape.is_static() and math.prod(v.shape.numpy()) <= 64 \
+                and (array := static_value(v)) is not None:
+            data[v.name] = onnx.numpy_helper.from_array(np.asarray(array), v.name)
     try:
         inferred = onnx.shape_inference.infer_node_outputs(
             schema, ir.serde.serialize_node(node), types, data,

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from lnfuse import trust, wellformed, wire
 from lnfuse.staging import Staging
@@ -75,8 +75,9 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
         try:
             structure, weights = split(mapped, identity)
             proto = onnx.ModelProto.FromString(structure)
-        except (ValueError, IndexError, DecodeError):
-            # not splittable (truncated, or not what it claims): let protobuf say what is wrong, or read it whole
+        except (ValueError, TypeError, IndexError, DecodeError):
+            # not splittable (truncated, or not what it claims, e.g. a weight of no data type): let protobuf say
+            # what is wrong, or read it whole (and let the checks name the flaw)
             return onnx.ModelProto.FromString(memoryview(mapped)), None
     return proto, weights if weights.tensors else None
 
@@ -255,24 +256,20 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
     has_external = any(lazy is None or not lazy.holds(t) for t in external)
+    del external
     inferred, error = infer_shapes(skeleton)
-    # the inferred types go back into the full model: the node list carries the subgraphs' value_info too, and
-    # the Constant nodes the skeleton held as inputs go back in their places
-    constants = {i: (onnx.NodeProto(), tensor) for i, node in enumerate(proto.graph.node)
-                 if (tensor := _large_constant(node)) is not None}
-    for i, (copy, _) in constants.items():
-        copy.CopyFrom(proto.graph.node[i])
-    proto.graph.ClearField("value_info")
-    inferred_names = {v.name for v in inferred.graph.value_info}
+    del skeleton  # each copy of the graph is let go as soon as it is not needed: a big graph's peak is its copies
+    # inferred types are set on the IR values directly (_set_types): the value_info is not deserialized
     types = list(inferred.graph.value_info)
-    types += [onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type, list(tensor.dims))
-              for node, tensor in constants.values() if node.output[0] not in inferred_names]
-    inferred_nodes = iter(inferred.graph.node)
-    nodes = [constants[i][0] if i in constants else next(inferred_nodes) for i in range(len(proto.graph.node))]
-    proto.graph.ClearField("node")
-    proto.graph.node.extend(nodes)
-    for mine, theirs in zip(proto.graph.output, inferred.graph.output):
-        mine.CopyFrom(theirs)
+    inferred.graph.ClearField("value_info")
+    inferred_names = {v.name for v in types}
+    constants = [i for i, node in enumerate(proto.graph.node) if _large_constant(node) is not None]
+    for i in constants:
+        node, tensor = proto.graph.node[i], _large_constant(proto.graph.node[i])
+        if node.output[0] not in inferred_names:
+            types.append(onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type, list(tensor.dims)))
+    proto = _with_inferred_graph(proto, inferred, constants)
+    del inferred
     model = ir.serde.deserialize_model(proto)
     _set_types(model.graph, types)
     infer_function_types(model)
@@ -280,6 +277,43 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
     model.meta[INPUT_FILES] = ([path] if path is not None else []) + data_files
     return Loaded(model, path, declared, has_external, error, attach(model, lazy) if lazy else None)
+
+
+#: what the inferred skeleton holds of the full model: its nodes (with the subgraphs' value_info), its outputs, and
+#: its value_info (taken out before, for _set_types)
+_INFERRED_GRAPH_FIELDS = ("node", "output", "value_info")
+
+
+def _with_inferred_graph(proto: onnx.ModelProto, inferred: onnx.ModelProto, constants: list[int]
+                         ) -> onnx.ModelProto:
+    """The inferred skeleton made the full model again: its nodes and outputs as inferred, every other field as
+    ``proto`` has it, and the Constant nodes the skeleton held as inputs back in their places. The inferred nodes
+    are reused, not copied: on a graph of a million nodes a copy costs hundreds of megabytes."""
+    for message, source, keep in ((inferred, proto, ("graph",)), (inferred.graph, proto.graph, _INFERRED_GRAPH_FIELDS)):
+        for descriptor, _ in message.ListFields():
+            if descriptor.name not in keep:
+                message.ClearField(descriptor.name)
+        for descriptor, value in source.ListFields():
+            if descriptor.name not in keep:
+                _copy_field(message, descriptor.name, value)
+    if constants:
+        inferred_nodes = iter(inferred.graph.node)
+        held = set(constants)
+        nodes = [proto.graph.node[i] if i in held else next(inferred_nodes) for i in range(len(proto.graph.node))]
+        graph = onnx.GraphProto()
+        graph.node.extend(nodes)  # a copy: code-form models, whose weights are Constants, have few nodes
+        inferred.graph.ClearField("node")
+        inferred.graph.node.extend(graph.node)
+    return inferred
+
+
+def _copy_field(message, name: str, value) -> None:
+    if isinstance(value, Message):
+        getattr(message, name).CopyFrom(value)
+    elif isinstance(value, (str, bytes, int, float)):
+        setattr(message, name, value)
+    else:
+        getattr(message, name).extend(value)
 
 
 def _set_types(graph: ir.Graph, infos: list[onnx.ValueInfoProto]) -> None:
@@ -406,6 +440,10 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
             from None
 
 
+#: inline weights past this go to ``<output>.data`` whatever the layout (a protobuf cannot exceed 2 GB)
+_INLINE_LIMIT = onnx.checker.MAXIMUM_PROTOBUF * 0.9
+
+
 def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data: str | None,
                       input_path: Path | None, in_place: bool, source: SourceWeights | None,
                       report: Path | None) -> None:
@@ -416,7 +454,7 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
     read_paths += [file for file, _ in _referenced_files(model)]
     reads = {ident: p for p in read_paths if (ident := trust.identity(p)) is not None}
     writes = [target]
-    if external_data == "single":
+    if external_data == "single" or _inline_bytes(model) > _INLINE_LIMIT:
         writes.append(folder / (target.name + ".data"))
     elif external_data == "keep":
         writes += [trust.confined(folder, location) for file, location in _referenced_files(model)
@@ -424,7 +462,7 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
     allowed = set()
     if in_place and input_path is not None and trust.identity(target) == trust.identity(input_path):
         # the input model is replaced as asked, and so may be the data file its replacement writes
-        allowed = {trust.identity(p) for p in writes[:2 if external_data == "single" else 1]} - {None}
+        allowed = {trust.identity(p) for p in writes} - {None}
     trust.check_no_overwrite(reads, writes + ([report] if report is not None else []), allowed)
 
 
@@ -437,7 +475,7 @@ def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: 
     if external_data == "single":
         ir.save(model, tmp_model, external_data=data_name)
         return
-    if _inline_bytes(model) > onnx.checker.MAXIMUM_PROTOBUF * 0.9:
+    if _inline_bytes(model) > _INLINE_LIMIT:
         ir.save(model, tmp_model, external_data=data_name)
         return
     _write_streamed(model, tmp_model, source)

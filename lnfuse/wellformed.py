@@ -30,6 +30,23 @@ def check(proto: onnx.ModelProto, where: str) -> None:
         raise InputError(f"{where}: the graph has no outputs, so it computes nothing (ONNX Runtime refuses it); "
                          "re-export the model with its outputs")
     _walk(proto, "model", where)
+    _claims_match_initializers(proto.graph, where)
+
+
+def _claims_match_initializers(graph: onnx.GraphProto, where: str) -> None:
+    """A graph input or value_info naming an initializer declares the shape the initializer holds (ONNX Runtime
+    checks an input against its initializer; rules read the declared shape and must not meet another one)."""
+    held = {t.name: list(t.dims) for t in graph.initializer}
+    held.update({s.values.name: list(s.dims) for s in graph.sparse_initializer})
+    for info in list(graph.input) + list(graph.value_info):
+        dims = held.get(info.name)
+        tensor_type = info.type.tensor_type
+        if dims is None or not info.type.HasField("tensor_type") or not tensor_type.HasField("shape"):
+            continue
+        declared = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+        if len(declared) != len(dims) or any(d is not None and d != h for d, h in zip(declared, dims)):
+            raise InputError(f"{where}: initializer {info.name!r} holds shape {dims} but the graph declares "
+                             f"{['?' if d is None else d for d in declared]}; re-export the model")
 
 
 def _walk(message, path: str, where: str) -> None:
@@ -85,6 +102,8 @@ def _check_tensor(tensor: onnx.TensorProto, path: str, where: str) -> None:
         return  # checked against its file by lnfuse.trust
     elements = math.prod(tensor.dims)
     if tensor.HasField("raw_data"):
+        if tensor.data_type == onnx.TensorProto.STRING:
+            raise InputError(f"{said}: a STRING tensor with raw bytes, which ONNX does not allow; re-export it")
         expected = math.ceil(elements * ir.DataType(tensor.data_type).itemsize)
         held, unit = len(tensor.raw_data), "bytes"
     else:

@@ -21,7 +21,7 @@ _SAME_AXES = frozenset({"Cast", "Identity", "Add", "Sub", "Mul", "Div", "Pad", "
 #: ops that carry lookup ids through unchanged in value
 _ID_MOVES = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"})
 _ID_ROWS = 64
-_SAME_SIZE = 4
+_SAME_SIZES = (4, 1)
 
 
 class NoRunnableInputs(InputError):
@@ -135,11 +135,12 @@ class _InputPlan:
                 options = _SPATIAL_TRIES[kind]
                 sizes[key] = options[min(i, len(options) - 1)]
             attempts.append(sizes)
-        # last: every free dim the same size (a mask named apart from the ids it masks, with no past)
+        # last: every free dim the same size (a mask named apart from the ids it masks, with no past), then 1 (a
+        # decoder step whose mask is named 'past_sequence_length + 1')
         free = {k for keys in self.keys.values() for k in keys if isinstance(k, str) and k not in attempts[-1]
                 and (k.startswith("?") or k.isidentifier())}
-        if free:
-            attempts.append({**attempts[-1], **{k: _SAME_SIZE for k in free}})
+        base = attempts[-1]
+        attempts += [{**base, **{k: size for k in free}} for size in _SAME_SIZES if free]
         return attempts
 
     def feeds(self, preset: dict[str, int], seed: int) -> dict[str, np.ndarray]:

@@ -81,6 +81,9 @@ class LayerNorm(Rule):
         (Op("Div", Op("Sqrt", Op("Add", mean_over(Var("sq"), "var"), Var("eps"))),
             Op("Sub", Var("x"), mean_over(Var("x"), "mean"))), "operands",
          "Div computes sqrt(var + eps) / (x - mean) (operands swapped)"),
+        # the statistics without the formula around them (another tensor's mean, another power...)
+        (VAR_EPS, "formula", "var + eps of a centred value is computed, but nothing computes (x - mean) * "
+         "(var + eps) ** -1/2 from it"),
     )
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:

@@ -49,6 +49,8 @@ class RmsNorm(Rule):
     name = "rms_norm"
     anchors = frozenset({"ReduceMean", "ReduceSum", "GlobalAveragePool"})
     patterns = (PATTERN,)
+    near_misses = ((VAR_EPS, "formula", "mean(x²) + eps is computed, but nothing computes x * (mean(x²) + eps) ** "
+                    "-1/2 from it"),)
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
         axes = agreed_axes(m, ("var",))

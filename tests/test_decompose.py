@@ -101,3 +101,15 @@ def test_layer_norm_with_an_unusable_stash_type_is_left_as_it_is():
     result = lnfuse.decompose(model)
     assert [n.op_type for n in result.model.graph.node] == ["LayerNormalization"]
     assert [u.check for u in result.report.unfused] == ["stash_type"]
+
+
+def test_decompose_inverts_fuse_on_the_onnx_backend_cases():
+    # the 57 expanded LayerNormalization/RMSNormalization cases of the compare table, for both targets
+    from test_backend_cases import CASES
+
+    for case in CASES:
+        for target in ("ort", "onnx"):
+            fused = lnfuse.fuse(case.model, target=target).model
+            plain = lnfuse.decompose(fused)
+            assert not plain.report.unfused and not _fused_ops(plain.model), (case.name, target)
+            assert _fused_ops(lnfuse.fuse(plain.model, target=target).model) == _fused_ops(fused), (case.name, target)

@@ -92,3 +92,5 @@ def test_explain_prints_the_deciding_reason_and_lists_the_others_under_v(tmp_pat
     check = _cli("check", str(path), "-v")
     assert check.returncode == 1
     assert "[skip_norm/shape]" in check.stdout and "also refused: [skip_norm/bias]" in check.stdout
+    as_json = _cli("check", str(path), "--json")
+    assert as_json.returncode == 1 and json.loads(as_json.stdout)["unfused"][0]["check"] == "shape"

@@ -314,3 +314,49 @@ def test_sparse_initializer_with_a_huge_dense_shape_is_refused(tmp_path: Path, c
     assert path.stat().st_size < 4096
     code, err = _run(capsys, path, "-o", tmp_path / "o.onnx")
     _refused(code, err, "huge")
+
+
+def _malformed(flaw: str) -> bytes:
+    """A real norm model with one flaw of a class that used to end in an internal error (exit 3)."""
+    model = build(Spec(hidden=64))
+    graph = model.graph
+    gamma = next(t for t in graph.initializer if t.name.startswith("gamma"))
+    if flaw == "no_outputs":
+        graph.ClearField("output")
+    elif flaw == "unknown_dtype":
+        graph.value_info.append(onnx.helper.make_tensor_value_info(graph.node[0].output[0], 999, None))
+    elif flaw == "cast_to_999":
+        graph.node.append(onnx.helper.make_node("Cast", [graph.output[0].name], ["c"], to=999))
+        graph.output.append(onnx.helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, None))
+    elif flaw in ("negative_dim", "huge_dim", "zero_dim"):
+        gamma.dims[0] = {"negative_dim": -64, "huge_dim": 1 << 40, "zero_dim": 0}[flaw]
+    elif flaw == "string_raw_data":
+        gamma.data_type = onnx.TensorProto.STRING
+    elif flaw == "declared_shape":
+        graph.value_info.append(onnx.helper.make_tensor_value_info(gamma.name, onnx.TensorProto.FLOAT, [7]))
+    elif flaw.startswith("sparse"):
+        values = onnx.numpy_helper.from_array(np.ones(2, np.float32), gamma.name)
+        index = {"sparse_index": [0, 64], "sparse_count": [0, 1, 2], "sparse_negative": [-1, 3]}[flaw]
+        sparse = onnx.helper.make_sparse_tensor(values, onnx.numpy_helper.from_array(np.array(index, np.int64), ""),
+                                                [64])
+        graph.ClearField("initializer")
+        graph.initializer.extend(t for t in build(Spec(hidden=64)).graph.initializer if t.name != gamma.name)
+        graph.sparse_initializer.append(sparse)
+    data = model.SerializeToString()
+    if flaw == "utf8_name":
+        name = graph.node[1].output[0].encode()
+        data = data.replace(name, b"\xff" + name[1:])
+    return data
+
+
+@pytest.mark.parametrize("flaw, words", [
+    ("no_outputs", "no outputs"), ("unknown_dtype", "data type 999"), ("cast_to_999", "'to'"),
+    ("negative_dim", "negative dimension"), ("huge_dim", "needs"), ("zero_dim", "needs"),
+    ("string_raw_data", "STRING"), ("declared_shape", "declares"), ("utf8_name", "not UTF-8"),
+    ("sparse_index", "outside its shape"), ("sparse_count", "do not match"), ("sparse_negative", "outside")])
+def test_malformed_models_are_refused_with_one_line(tmp_path: Path, capsys, flaw: str, words: str):
+    path = tmp_path / "model.onnx"
+    path.write_bytes(_malformed(flaw))
+    code, err = _run(capsys, path, "-o", tmp_path / "out.onnx")
+    _refused(code, err, words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]

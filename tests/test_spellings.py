@@ -335,3 +335,13 @@ def test_ort_epsilon_zero_test_files_fuse(name, count):
     nodes = [n for n in result.model.graph.node if n.op_type == "LayerNormalization"]
     assert len(nodes) == count, result.report.unfused
     assert all(oh.get_attribute_value(a) == 0.0 for n in nodes for a in n.attribute if a.name == "epsilon")
+
+
+def test_statistics_without_the_norm_around_them_are_reported():
+    # x*k - mean(2x)*k: the variance of x is there, the formula is not: a candidate with its reason, not silence
+    g = Graph()
+    mean, d, var_eps = _statistics(g)
+    k = g.op("Reciprocal", g.op("Sqrt", var_eps))
+    other = g.mean(g.op("Mul", "X", g.const(2.0)))
+    y = g.op("Sub", g.op("Mul", "X", k), g.op("Mul", other, k))
+    _refused(g.model(y), "formula", "nothing computes")

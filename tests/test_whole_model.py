@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
@@ -54,16 +55,16 @@ def test_inputs_follow_the_graph():
 
 
 def _unrunnable(tmp_path: Path) -> Path:
-    """A layer norm (opset 14: --target onnx needs 17) after an Add with a [37] table: 'n' must be 37, which
-    nothing in the graph says."""
+    """A layer norm (opset 14: --target onnx needs 17) after a MatMul by a [37, 8] weight: 'n' must be 37, which
+    nothing lnfuse reads says (and 1 does not broadcast there)."""
     rng = np.random.default_rng(0)
-    nodes = [oh.make_node("Add", ["x", "table"], ["t"]), oh.make_node("ReduceMean", ["t"], ["m"], axes=[-1]),
+    nodes = [oh.make_node("MatMul", ["x", "weight"], ["t"]), oh.make_node("ReduceMean", ["t"], ["m"], axes=[-1]),
              oh.make_node("Sub", ["t", "m"], ["d"]), oh.make_node("Mul", ["d", "d"], ["sq"]),
              oh.make_node("ReduceMean", ["sq"], ["v"], axes=[-1]), oh.make_node("Add", ["v", "eps"], ["ve"]),
              oh.make_node("Sqrt", ["ve"], ["s"]), oh.make_node("Div", ["d", "s"], ["y"])]
     graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
-                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 37])],
-                          [onh.from_array(rng.standard_normal(37).astype(np.float32), "table"),
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+                          [onh.from_array(rng.standard_normal((37, 8)).astype(np.float32), "weight"),
                            onh.from_array(np.array(1e-5, np.float32), "eps")])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 14)])
     model.ir_version = 8
@@ -105,3 +106,50 @@ def test_given_inputs_make_it_run(tmp_path: Path):
                "--verify", "model", "--inputs", str(inputs))
     assert run.returncode == 0, run.stderr
     assert "upgraded from opset 14 to 17" in run.stdout and "whole-model check: agree" in run.stdout
+
+
+def test_upgrade_opset_with_external_data_from_another_folder(tmp_path: Path):
+    model = onnx.load(SAMPLES / "wm_vit_legacy_op14.onnx")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    onnx.save_model(model, tmp_path / "model" / "vit.onnx", save_as_external_data=True, location="vit.onnx.data",
+                    size_threshold=1024)
+    run = subprocess.run([sys.executable, "-m", "lnfuse.cli", "../model/vit.onnx", "-o", "../model/out.onnx",
+                          "--upgrade-opset", "--target", "onnx"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path / "elsewhere")
+    assert run.returncode == 0, run.stderr
+    assert "upgraded from opset 14 to 17" in run.stdout
+    out = tmp_path / "model" / "out.onnx"
+    onnx.checker.check_model(str(out), full_check=True)
+    feeds, want = model_inputs(onnx.load(SAMPLES / "wm_vit_legacy_op14.onnx"))
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want["last_hidden_state"], atol=1e-4)
+
+
+def test_related_dims_named_apart_are_found_by_tries():
+    """A decoder step as older exporters name it: the mask is 'past_sequence_length + 1' long, so the ids'
+    'sequence_length' must be 1; and a total length named apart from the ids it must equal."""
+    nodes = [oh.make_node("Gather", ["table", "input_ids"], ["e"]),
+             oh.make_node("Concat", ["past", "e"], ["kv"], axis=1),
+             oh.make_node("Cast", ["attention_mask"], ["mf"], to=TensorProto.FLOAT),
+             oh.make_node("Unsqueeze", ["mf", "axis2"], ["m3"]),
+             oh.make_node("Add", ["kv", "m3"], ["y"]),
+             oh.make_node("Cast", ["total_mask"], ["tf"], to=TensorProto.FLOAT),
+             oh.make_node("Cast", ["input_ids"], ["idf"], to=TensorProto.FLOAT),
+             oh.make_node("Add", ["tf", "idf"], ["z"])]
+    graph = oh.make_graph(
+        nodes, "step",
+        [oh.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+         oh.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "past_sequence_length + 1"]),
+         oh.make_tensor_value_info("past", TensorProto.FLOAT, ["batch_size", "past_sequence_length", 4]),
+         oh.make_tensor_value_info("total_mask", TensorProto.INT64, ["batch_size", "total_length"])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["batch_size", "past_sequence_length + 1", 4]),
+         oh.make_tensor_value_info("z", TensorProto.FLOAT, ["batch_size", "sequence_length"])],
+        [onh.from_array(np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32), "table"),
+         onh.from_array(np.array([2], np.int64), "axis2")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 14)])
+    model.ir_version = 8
+    feeds, outputs = model_inputs(model)
+    assert feeds["input_ids"].shape[1] == 1 and feeds["total_mask"].shape[1] == 1
+    assert feeds["attention_mask"].shape[1] == feeds["past"].shape[1] + 1
+    assert feeds["input_ids"].max() < 10 and outputs["y"].shape[1] == feeds["past"].shape[1] + 1
