@@ -209,7 +209,7 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     needed = 23 if any(u.rule == "rms_norm" and u.check == "opset" for u in report.unfused) else 17
     try:
         converted = onnx.version_converter.convert_version(original, needed)
-        upgraded = io.load(converted)
+        upgraded = io.load(converted, base_dir=anchor(loaded))
         anchor(upgraded, anchor(loaded))
     except Exception as error:  # noqa: BLE001 - the converter raises many types; the report says why
         report.notes.append(f"--upgrade-opset: onnx's version converter could not reach opset {needed} "
@@ -218,8 +218,6 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     upgraded.declared_value_info = loaded.declared_value_info
     # the converted model is the same file's graph: its external data stays beside the input, wherever we run from
     upgraded.path, upgraded.source, upgraded.has_external_data = loaded.path, loaded.source, loaded.has_external_data
-    if loaded.path is not None:
-        ir.external_data.set_base_dir(upgraded.model.graph, loaded.path.parent)
     upgraded_report = _run(upgraded, options, source)
     try:
         check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs,

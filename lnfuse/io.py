@@ -234,9 +234,9 @@ def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
     return names
 
 
-def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
-    """Read, validate and shape-infer a model; external weights stay on disk."""
-    base_dir = None
+def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path | None = None) -> Loaded:
+    """Read, validate and shape-infer a model; external weights stay on disk. ``base_dir`` anchors the external
+    data of a ModelProto that lnfuse made from a file (the working directory otherwise, as onnx_ir reads it)."""
     if isinstance(source, ir.Model):
         # work on a copy: the caller's model is never modified; external tensors keep pointing at their files
         base_dir = _one_base_dir(source)
