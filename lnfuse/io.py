@@ -471,8 +471,8 @@ def _write_streamed(model: ir.Model, path: Path, source: SourceWeights | None) -
     every = dict(registry)
     for value in streamed:
         del registry[value.name]
-    for _, node, _ in constants:  # a stand-in while the rest is serialized: wire.constant_node_parts cuts it out
-        node.attributes["value"] = ir.AttrTensor("value", ir.tensor([0.0]))
+    for _, node, attribute in constants:  # a stand-in while the rest is serialized: constant_node_parts cuts it out
+        node.attributes["value"] = ir.AttrTensor("value", ir.tensor([0.0]), doc_string=attribute.doc_string)
     try:
         head = ir.serde.serialize_model(model).SerializeToString()
     finally:
