@@ -5,8 +5,10 @@
                                  [--tools lnfuse,lnfuse-onnx,ort-transformers,ort-cpp,onnxscript-rules,onnxscript-ort]
 
 Models: the shipped ``sample_models/*.onnx``; ``bert_base_legacy_op14.onnx`` and ``llama_small_legacy_op14.onnx`` from
-``--models`` when present (``--quick`` skips them); and the ONNX backend suite's 57 expanded LayerNormalization /
-RMSNormalization cases, summed into one row per tool.
+``--models`` when present (``--quick`` skips them); the ONNX backend suite's 57 expanded LayerNormalization /
+RMSNormalization cases, summed into one row per tool; and onnxscript's code-form test models (Whisper encoder and
+decoder, SmolLM; Phi-2 and Phi-4 with ``--onnxscript-all``), written by ``sample_models/make_exporter_samples.py``.
+A result that differs from the original by more than 0.05 is marked **wrong** in the Markdown table.
 
 Tools (each starts from the file on disk, so its time includes loading it; nothing is saved):
 
@@ -21,12 +23,18 @@ Tools (each starts from the file on disk, so its time includes loading it; nothi
                         ``rms_normalization_rules`` (``onnxscript.rewriter.rules.fusion``).
 * ``onnxscript-ort``    ``onnxscript.rewriter.ort_fusions.optimize_for_ort`` on the onnx_ir model.
 
-Columns: time; the fused norm ops in the result (legend below the table; no original here has any); ReduceMean
-nodes left; other op types the tool introduced (attention, GELU, ... fusions); the worst absolute output difference
+Columns: time; the norm ops in the result (legend below the table; the torch exports at opset 17+ and onnxscript's
+models already hold some LayerNormalization nodes, which every tool keeps); ReduceMean (and tf2onnx's
+GlobalAveragePool) nodes left; other op types the tool introduced (attention, GELU, ... fusions); the worst absolute output difference
 to the original on the same random inputs (both run in ORT CPU with graph optimizations disabled, so ORT fuses
 nothing at load); and whether ``onnx.checker.check_model(full_check=True)`` passes (ORT-only ops in the default
 domain make it fail by design).
 A tool that raises gets ``error: <one line>`` in its row and the run goes on.
+
+Quantized rows: ``bert_tiny_dynamic_int8_op14`` and ``bert_tiny_qdq_op14`` are a tiny BERT quantized by ONNX
+Runtime's own quantizer (``sample_models/make_quantized.py``: ``quantize_dynamic`` int8, and ``quantize_static`` in
+QDQ format). They are sample models, so every tool runs on them like on the others. In the QDQ model every norm
+has QuantizeLinear/DequantizeLinear pairs inside it: a tool that fuses one there removes rounding the model does.
 """
 
 from __future__ import annotations
@@ -67,6 +75,9 @@ NORM_OPS = MappingProxyType({
     "EmbedLayerNormalization": "EmbedLN",
     "QEmbedLayerNormalization": "QEmbedLN",
 })
+
+# An output difference above this is a wrong rewrite, not rounding (fp16 models differ by up to 4e-3)
+WRONG = 0.05
 
 # Concrete sizes for symbolic dims: batch 2, everything else 8 (fits every position table here, RoBERTa's too).
 BATCH, SEQUENCE = 2, 8
@@ -136,7 +147,8 @@ def run_ort_cpp(path: Path, decoder: bool) -> onnx.ModelProto:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
         opts.optimized_model_filepath = str(out)
         ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        return onnx.load(str(out))
+        # weights the input kept external stay references (by name, beside the input) in the written model
+        return onnx.load(str(out), load_external_data=False)
 
 
 def run_onnxscript_rules(path: Path, decoder: bool) -> onnx.ModelProto:
@@ -261,7 +273,7 @@ def measure(tool: str, case: Case, ref: Reference) -> Outcome:
         return outcome
     ops = op_counts(result)
     outcome.fused = Counter({op: n for op, n in ops.items() if op in NORM_OPS})
-    outcome.reduce_mean_left = ops.get("ReduceMean", 0)
+    outcome.reduce_mean_left = ops.get("ReduceMean", 0) + ops.get("GlobalAveragePool", 0)  # tf2onnx's means
     outcome.new_ops = Counter({op: n for op, n in ops.items() if op not in NORM_OPS and op not in ref.ops})
     outcome.checker_ok = checker_passes(result)
     outcome.checker_passes = int(outcome.checker_ok)
@@ -318,6 +330,31 @@ def backend_cases(folder: Path) -> list[Case]:
         path = folder / f"{c.name}.onnx"
         onnx.save(c.model, str(path))
         cases.append(Case(c.name, path, False, BACKEND_GROUP))
+    return cases
+
+
+# =========================================================================== other exporters (issue 12)
+# The committed samples of make_exporter_samples.py (tf2onnx/Keras, channels-first norms, HF Swin and ViTDet) are
+# rows like every other sample. onnxscript's code-form test models are too big to commit: they are written here,
+# the whisper ones with random weights, SmolLM (671 MB) with sparse zero weights (the tools fuse the graph; the
+# outputs still compare). Phi-2 (1.4 GB) and Phi-4 (6.8 GB) only with --onnxscript-all.
+ONNXSCRIPT_CASES = {"_whisper_encoder": 1 << 30, "_whisper_decoder": 1 << 30, "_smollm_1": 64 * 1024}
+ONNXSCRIPT_BIG = {"_phi2lm": 64 * 1024, "_phi4lm": 64 * 1024}
+
+
+def onnxscript_cases(folder: Path, every: bool) -> list[Case]:
+    """Written into one folder whose relative external data the results reference: run them from that folder."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "sample_models"))
+    from make_exporter_samples import onnxscript_model
+
+    chosen = {**ONNXSCRIPT_CASES, **(ONNXSCRIPT_BIG if every else {})}
+    cases = []
+    for name, inline in chosen.items():
+        path = onnxscript_model(name, folder, seed=0, inline_bytes=inline)
+        label = f"onnxscript{name}"
+        cases.append(Case(label, path, "whisper_encoder" not in name, label))
     return cases
 
 
@@ -391,7 +428,8 @@ def print_table(rows: list[Outcome]) -> None:
             print()  # a blank line between models keeps the tools of one model together
         print(_join(r, widths))
     print("\nlegend: " + ", ".join(f"{short}={op}" for op, short in NORM_OPS.items()))
-    print("RM left = ReduceMean nodes left; checker = onnx.checker full_check (n/cases for the backend group)")
+    print("RM left = ReduceMean (and GlobalAveragePool) nodes left; "
+          "checker = onnx.checker full_check (n/cases for the backend group)")
 
 
 def print_markdown(rows: list[Outcome], tools: list[str]) -> None:
@@ -408,6 +446,8 @@ def print_markdown(rows: list[Outcome], tools: list[str]) -> None:
                 cells.append("error")
                 continue
             text = f"{fused_text(o.fused)} (RM {o.reduce_mean_left})"
+            if o.max_diff is not None and o.max_diff > WRONG:
+                text += f" **wrong: differs by {o.max_diff:.2g}**"
             cells.append(text + (" **error**" if o.errors else ""))
         print(f"| {model} | " + " | ".join(cells) + " |")
 
@@ -426,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every row as JSON")
     parser.add_argument("--progress", action="store_true", help="print each run as it finishes (to stdout)")
     parser.add_argument("--markdown", action="store_true", help="also print a model x tool Markdown table")
+    parser.add_argument("--no-onnxscript", action="store_true", help="skip onnxscript's code-form models")
+    parser.add_argument("--onnxscript-all", action="store_true", help="add onnxscript's Phi-2 and Phi-4 (8 GB)")
+    parser.add_argument("--only-models", help="comma-separated substrings: keep the models whose name has one")
     args = parser.parse_args(argv)
     tools = [t for t in args.tools.split(",") if t]
     unknown = set(tools) - set(TOOLS)
@@ -436,10 +479,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lnfuse-backend-") as tmp:
         cases = sample_cases(args.samples) + ([] if args.quick else big_cases(args.models))
         cases += [] if args.no_backend else backend_cases(Path(tmp))
+        extra = [] if args.no_onnxscript else onnxscript_cases(Path(tmp) / "onnxscript", args.onnxscript_all)
+        if args.only_models:
+            keep = args.only_models.split(",")
+            cases, extra = ([c for c in group if any(k in c.name for k in keep)] for group in (cases, extra))
         warm_up(tools, [c for c in cases if c.name in ("bert_tiny_legacy_op14", "llama_tiny_legacy_op14")])
         cpu_start = cpu_snapshot()
         start = time.perf_counter()
         rows = run_all(cases, tools, args.progress)
+        if extra:
+            with contextlib.chdir(Path(tmp) / "onnxscript"):  # the results reference their data files by name
+                rows += run_all(extra, tools, args.progress)
     print_table(rows)
     print(f"total {time.perf_counter() - start:.0f} s; inputs: batch {BATCH}, sequence {SEQUENCE}, ids in 0..1, "
           f"masks of ones; ORT {ort.__version__}, onnx {onnx.__version__}")

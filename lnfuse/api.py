@@ -9,22 +9,27 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
 from lnfuse import io
-from lnfuse.engine import Options, fuse_model
-from lnfuse.errors import UsageError
+from lnfuse.engine import Options, fuse_model, nodes_of, type_new_values
+from lnfuse.provenance import mark_model
+from lnfuse.errors import InputError, UsageError
 from lnfuse.report import Report
 from lnfuse.rule import Rule
 from lnfuse.rules import all_rules
 from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
 from lnfuse.targets import TARGETS
+from lnfuse.quantized_norms import quantized_norms
 from lnfuse.traversal import every_node
 from lnfuse.whole_model import compare_models
+
+if TYPE_CHECKING:  # only for the annotation: lnfuse never imports torch
+    from torch.onnx import ONNXProgram
 
 
 @dataclass
@@ -41,13 +46,16 @@ class FuseResult:
     def model(self) -> onnx.ModelProto:
         return ir.serde.serialize_model(self.ir_model)
 
-    def save(self, path: str | os.PathLike, *, in_place: bool = False, external_data: str = "keep") -> None:
+    def save(self, path: str | os.PathLike, *, in_place: bool = False, external_data: str = "keep",
+             report: str | os.PathLike | None = None) -> None:
         """Write atomically. External weights stay external: ``"keep"`` references the input's data files
-        (copied unchanged beside the output if it goes to another folder), ``"single"`` writes ``<path>.data``."""
+        (copied unchanged beside the output if it goes to another folder), ``"single"`` writes ``<path>.data``.
+        ``report``: also write the report as JSON there, renamed into place with the model or not at all."""
         if external_data not in io.EXTERNAL_LAYOUTS:
             raise UsageError(f"unknown external data layout '{external_data}'; use {' or '.join(io.EXTERNAL_LAYOUTS)}")
         io.save(self.ir_model, path, external_data=external_data if self.has_external_data else None,
-                input_path=self.source_path, in_place=in_place, source=self.source_weights)
+                input_path=self.source_path, in_place=in_place, source=self.source_weights,
+                report=(report, self.report.to_json()) if report is not None else None)
 
 
 def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None = None) -> tuple[Rule, ...]:
@@ -61,13 +69,14 @@ def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None =
     return tuple(r for r in rules if r.name not in set(skip or []))
 
 
-def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str = "ort", verify: bool = True,
-         only: Iterable[str] | None = None, skip: Iterable[str] | None = None, upgrade_opset: bool = False,
-         verify_model: bool = False, inputs: dict[str, np.ndarray] | None = None,
+def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *, target: str = "ort",
+         verify: bool = True, only: Iterable[str] | None = None, skip: Iterable[str] | None = None,
+         upgrade_opset: bool = False, verify_model: bool = False, inputs: dict[str, np.ndarray] | None = None,
          quantize_embeddings: str | None = None,
          progress: Callable[[float, str], None] | None = None) -> FuseResult:
     """Fuse normalization subgraphs into single ops; every rewrite is verified in ONNX Runtime unless
-    ``verify=False``. The input (a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``) is never modified.
+    ``verify=False``. The input (a path, an ``onnx.ModelProto``, an ``onnx_ir.Model`` or torch's ``ONNXProgram``) is
+    never modified.
 
     Example, right after exporting::
 
@@ -87,6 +96,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
         raise UsageError(f"unknown target '{target}'; use one of {', '.join(TARGETS)}")
     if quantize_embeddings is not None and (quantize_embeddings not in SCHEMES or target != "ort"):
         raise UsageError(f"--quantize-embeddings takes {' or '.join(SCHEMES)} and needs --target ort")
+    model = _unwrapped(model)
     start = time.perf_counter()
     stage = _Stages(progress)
     options = Options(target=target, verify=verify, rules=select_rules(only, skip),
@@ -94,6 +104,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
     stage(0.0, "reading and checking the model")
     with _cycle_collection_paused():
         loaded = io.load(model)
+        folder = anchor(loaded)
         source = str(loaded.path) if loaded.path is not None else "<model>"
         original = ir.serde.serialize_model(loaded.model) if (verify_model or upgrade_opset) else None
         report = _run(loaded, options, source)
@@ -104,11 +115,45 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model, *, target: str =
         if verify_model:
             stage(0.85, "running the whole original and fused models")
             report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
-                                                base_dir=loaded.path.parent if loaded.path else None)
+                                                base_dir=folder)
         io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+        mark_model(loaded.model, report, {"target": target, "verify": verify, "only": sorted(only or []),
+                                          "skip": sorted(skip or []), "upgrade_opset": upgrade_opset,
+                                          "verify_model": verify_model, "quantize_embeddings": quantize_embeddings})
     report.seconds = time.perf_counter() - start
     stage(1.0, "")
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)
+
+
+def _unwrapped(model):
+    """torch.onnx.export(..., dynamo=True) returns an ``ONNXProgram`` whose ``model`` is an ``onnx_ir.Model``: take
+    that (by its attribute, so that lnfuse never imports torch)."""
+    inner = getattr(model, "model", None)
+    if not isinstance(model, (str, os.PathLike, onnx.ModelProto, ir.Model)) and isinstance(inner, ir.Model):
+        return inner
+    return model
+
+
+def anchor(loaded: io.Loaded, folder: Path | None = None) -> Path | None:
+    """Resolve once the folder that anchors the model's external data, and point its tensors there: the input's
+    folder (whatever the working directory, now or later), or ``folder`` for a model lnfuse made from the input
+    (the upgraded one, re-read from a proto whose data references are relative). Returns the folder."""
+    if folder is None and loaded.path is not None:
+        folder = loaded.path.parent.resolve()
+    if folder is None:
+        folder = _tensor_folder(loaded.model)
+    if folder is not None:
+        ir.external_data.set_base_dir(loaded.model.graph, folder)
+    return folder
+
+
+def _tensor_folder(model: ir.Model) -> Path | None:
+    """Where an in-memory model's external tensors were read from, if they say."""
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and tensor.base_dir:
+            return Path(tensor.base_dir).resolve()
+    return None
 
 
 @contextlib.contextmanager
@@ -145,7 +190,10 @@ def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
     if loaded.shape_inference_error:
         report.notes.append(f"shape inference failed ({loaded.shape_inference_error}); checks that need shapes "
                             "refuse where shapes are unknown")
+    before = nodes_of(loaded.model)
     fuse_model(loaded.model, options, report)
+    loaded.declared_value_info |= type_new_values(loaded.model, before)
+    report.unfused.extend(quantized_norms(loaded.model, report))
     report.ops_after = _op_counts(loaded.model)
     _note_runtime_ops(loaded.model, report)
     opset_refusals = [u for u in report.unfused if u.check == "opset"]
@@ -161,14 +209,23 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     needed = 23 if any(u.rule == "rms_norm" and u.check == "opset" for u in report.unfused) else 17
     try:
         converted = onnx.version_converter.convert_version(original, needed)
-        upgraded = io.load(converted)
+        upgraded = io.load(converted, base_dir=anchor(loaded))
+        anchor(upgraded, anchor(loaded))
     except Exception as error:  # noqa: BLE001 - the converter raises many types; the report says why
         report.notes.append(f"--upgrade-opset: onnx's version converter could not reach opset {needed} "
                             f"({str(error).splitlines()[0][:200]}); the model keeps its opset")
         return loaded, report
     upgraded.declared_value_info = loaded.declared_value_info
+    # the converted model is the same file's graph: its external data stays beside the input, wherever we run from
+    upgraded.path, upgraded.source, upgraded.has_external_data = loaded.path, loaded.source, loaded.has_external_data
     upgraded_report = _run(upgraded, options, source)
-    check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs)
+    try:
+        check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs,
+                               base_dir=anchor(loaded), option="--upgrade-opset")
+    except InputError as error:
+        # the upgrade is kept only if the whole model is proven to agree; unproven, the model keeps its opset
+        report.notes.append(f"kept opset {loaded.model.opset_imports.get('')}: {error}")
+        return loaded, report
     if not check["ok"]:
         report.notes.append(f"--upgrade-opset: the model upgraded to opset {needed} no longer agrees with the "
                             f"original ({check['summary']}); kept the original opset")
@@ -181,7 +238,9 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
 def _quantize(loaded: io.Loaded, report: Report, scheme: str) -> None:
     float_model = ir.serde.serialize_model(loaded.model)
     names = {v.name for n in loaded.model.graph for v in n.outputs} | set(loaded.model.graph.initializers)
+    before = nodes_of(loaded.model)
     count = quantize_embeddings(loaded.model, scheme, names, report)
+    loaded.declared_value_info |= type_new_values(loaded.model, before)
     if count:
         check = accuracy(float_model, ir.serde.serialize_model(loaded.model))
         report.notes.append(f"quantized {count} embedding block(s) to {scheme}; against the float model on random "

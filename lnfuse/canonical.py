@@ -7,6 +7,9 @@
 - ``Shape`` of a table lookup ``Gather(table, ids)``: the ids' shape followed by the table's trailing dims. Exporters
   take the sequence length from the looked-up embeddings (``inputs_embeds.shape[1]``), which ties the position ids
   to the lookup they are added to; reading the ids' shape instead unties them.
+- ``CastLike(v, like)`` where like's dtype is known: ``Cast(v, to=that dtype)``, which it is by definition.
+  onnxscript writes every literal this way (``CastLike(Constant, x)``); the Cast no longer reads x, so a gamma or
+  epsilon written so is a constant that depends on nothing the norm computes.
 - ``DequantizeLinear(QuantizeLinear(v, s, z), s, z)`` where v is already on that grid (it was dequantized with the
   same scale and zero point, then only moved by Gather/Reshape/...): requantizing gives back v bit for bit. ORT's
   QDQ quantizer writes these pairs after embedding lookups.
@@ -32,6 +35,9 @@ def canonicalize(graph: ir.Graph | ir.Function, fresh_name: Callable[[str], str]
     names of the graphs around them)."""
     host = graph.graph if isinstance(graph, ir.Function) else graph
     removed = []
+    likes = sum(_cast_like_to_cast(host, node, fresh_name) for node in list(host) if _is_known_cast_like(node))
+    if likes:
+        removed.append(f"{likes} CastLike(s) of a known dtype (now Cast)")
     casts = sum(_bypass(host, node) for node in list(host) if _is_noop_cast(node))
     if casts:
         removed.append(f"{casts} Cast(s) to the dtype their input already has")
@@ -57,6 +63,29 @@ def _bypass(host: ir.Graph, node: ir.Node, source: ir.Value | None = None) -> bo
     if out.is_graph_output():
         return False
     out.replace_all_uses_with(source if source is not None else node.inputs[0])
+    host.remove(node, safe=True)
+    return True
+
+
+def _is_known_cast_like(node: ir.Node) -> bool:
+    if node.op_type != "CastLike" or not _is_onnx(node) or len(node.inputs) != 2 or None in node.inputs:
+        return False
+    return node.inputs[1].type is not None and node.inputs[1].dtype is not None and \
+        all(not a.is_ref() for a in node.attributes.values())
+
+
+def _cast_like_to_cast(host: ir.Graph, node: ir.Node, fresh_name: Callable[[str], str]) -> bool:
+    attrs = {"to": node.inputs[1].dtype}
+    if "saturate" in node.attributes:
+        attrs["saturate"] = node.attributes["saturate"].value
+    cast = ir.node("Cast", [node.inputs[0]], attrs, name=fresh_name(f"{node.name or 'CastLike'}/Cast"))
+    old, new = node.outputs[0], cast.outputs[0]
+    new.name = fresh_name(f"{old.name}_cast")
+    new.type, new.shape = old.type, old.shape
+    host.insert_before(node, [cast])
+    if old.is_graph_output():
+        new.name, old.name = old.name, f"{old.name}__replaced"
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
     host.remove(node, safe=True)
     return True
 

@@ -4,6 +4,7 @@
     lnfuse explain model.onnx                     every candidate, fused or not, and why
     lnfuse decompose fused.onnx -o plain.onnx     fused norm ops back into primitive ONNX ops
     lnfuse check model.onnx                       exit 1 if a norm-like candidate is left unfused (for CI gates)
+    lnfuse --version
 """
 
 from __future__ import annotations
@@ -35,6 +36,20 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="with --target onnx: convert the model to the opset the fused ops need (kept only if "
                              "the whole model still verifies)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="list every candidate, and every check that failed on the forms tried")
+
+
+class _Version(argparse.Action):
+    """``--version``: the versions come from package metadata, read only when asked for."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print lnfuse's version and its libraries' and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from lnfuse.version import version_line
+        print(version_line())
+        parser.exit()
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
@@ -48,7 +63,11 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
         return parser
     _common(parser)
+    if command == "explain":
+        parser.add_argument("--annotate", metavar="OUT.onnx", help="also write a copy of the model (weights "
+                            "unchanged) whose candidate nodes say why they were left unfused, for Netron")
     if command == "fuse":
+        parser.add_argument("--version", action=_Version)
         parser.add_argument("-o", "--output", required=True, help="where to write the fused model")
         parser.add_argument("--report", metavar="FILE", help="also write the report as JSON")
         parser.add_argument("--verify", choices=("model",), help="'model': also run the whole original and fused "
@@ -63,7 +82,6 @@ def _parser(command: str) -> argparse.ArgumentParser:
                             help="write QEmbedLayerNormalization with per-tensor quantized tables (changes numbers; "
                                  "the report gives the worst difference to the float model)")
         parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-        parser.add_argument("-v", "--verbose", action="store_true", help="list every fused and unfused candidate")
     return parser
 
 
@@ -103,7 +121,6 @@ def _run(command: str, args: argparse.Namespace) -> int:
 
     from lnfuse.api import fuse
     from lnfuse.decompose import decompose
-    from lnfuse.io import write_text_atomically
 
     if command == "decompose":
         result = decompose(args.model, verify_rewrites=not args.no_verify)
@@ -132,16 +149,24 @@ def _run(command: str, args: argparse.Namespace) -> int:
                   quantize_embeddings=getattr(args, "quantize_embeddings", None))
     report = result.report
     if command == "explain":
-        print(report.to_json() if args.json else report.explain())
+        print(report.to_json() if args.json else report.explain(verbose=args.verbose))
+        if args.annotate:
+            from lnfuse.annotate import write_annotated
+            labelled = write_annotated(args.model, report, args.annotate)
+            print(f"wrote {args.annotate} ({labelled} candidate node(s) annotated)",
+                  file=sys.stderr if args.json else sys.stdout)
         return 0
     if command == "check":
-        if args.json:
+        if args.json:  # the report alone, so that scripts can parse stdout
             print(report.to_json())
+            return 1 if report.unfused else 0
         for u in report.unfused:
             print(f"unfused: {u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
-        if not args.json:
-            print(f"lnfuse check: {len(report.unfused)} candidate(s) left unfused, "
-                  f"{sum(report.fused_counts().values())} fusable")
+            if args.verbose:
+                for o in u.others:
+                    print(f"  also refused: [{u.rule}/{o.check}] {o.reason} (a form of {o.matched} nodes)")
+        print(f"lnfuse check: {len(report.unfused)} candidate(s) left unfused, "
+              f"{sum(report.fused_counts().values())} fusable")
         return 1 if report.unfused else 0
     if report.model_check is not None and not report.model_check["ok"]:
         print(f"lnfuse: error: the fused model differs from the original ({report.model_check['summary']}); "
@@ -150,12 +175,10 @@ def _run(command: str, args: argparse.Namespace) -> int:
     if bar is not None:
         bar(0.95, f"writing {args.output}")
     try:
-        result.save(args.output, in_place=args.in_place, external_data=args.external_data)
+        result.save(args.output, in_place=args.in_place, external_data=args.external_data, report=args.report)
     finally:
         if bar is not None:
             bar(1.0, "")
-    if args.report:
-        write_text_atomically(Path(args.report), report.to_json())
     if args.json:
         print(report.to_json())
     elif not args.quiet:

@@ -1,8 +1,11 @@
 """Values known before the model runs: initializers, Constant nodes, and small computations on them.
 
 Exporters rarely write epsilon or reduction axes as a plain initializer: the ONNX function bodies write
-``Cast(Constant)`` for epsilon and ``Range(axis, Size(Shape(X)))`` for the axes. Folding those few ops here lets a
-rule read the number it needs without running the model. Large initializers are never read by ``is_static``.
+``Cast(Constant)`` for epsilon and ``Range(axis, Size(Shape(X)))`` for the axes, and onnxscript writes every literal
+as ``CastLike(Constant, x)``. A value computed only from constants and from other values' types or shapes
+(``CastLike``'s second input, ``Shape``, ``Size``) is fixed when the model is built, whatever those values hold.
+Folding those few ops here lets a rule read the number it needs without running the model. Large initializers are
+never read by ``is_static``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import onnx_ir as ir
 _MAX_DEPTH = 8
 _FOLDABLE = frozenset(
     {"Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Range", "Concat", "Gather", "Slice", "Add", "Sub",
-     "Mul", "Div", "Neg", "ConstantOfShape", "Shape", "Size", "Flatten", "Expand", "Sqrt", "Reciprocal"}
+     "Mul", "Div", "Neg", "ConstantOfShape", "Shape", "Size", "Flatten", "Expand", "Sqrt", "Reciprocal", "CastLike"}
 )
 
 
@@ -34,11 +37,26 @@ def is_static(value: ir.Value, depth: int = 0) -> bool:
         return len(node.attributes) == 1 and not next(iter(node.attributes.values())).is_ref()
     if node.op_type in ("Shape", "Size"):
         # Size(Shape(x)) is the rank: Shape's output has a static shape even when x's dims are symbolic
-        shape = node.inputs[0].shape
-        return shape is not None and shape.is_static()
+        dims = _read_dims(node)
+        return dims is not None and all(isinstance(d, int) for d in dims)
     if node.op_type not in _FOLDABLE:
         return False
+    if node.op_type == "CastLike":
+        # reads only the dtype of its second input
+        like = node.inputs[1]
+        return like is not None and like.type is not None and is_static(node.inputs[0], depth + 1)
     return all(v is None or is_static(v, depth + 1) for v in node.inputs)
+
+
+def _read_dims(node: ir.Node) -> list | None:
+    """The dims a Shape (its start:end slice) or Size node reads."""
+    shape = node.inputs[0].shape if node.inputs and node.inputs[0] is not None else None
+    if shape is None:
+        return None
+    dims = list(shape)
+    if node.op_type == "Shape":
+        dims = dims[_attr(node, "start", 0):_attr(node, "end", None)]
+    return dims
 
 
 def static_value(value: ir.Value | None) -> np.ndarray | None:
@@ -67,9 +85,9 @@ def _evaluate(value: ir.Value) -> np.ndarray:
             raise ValueError("unsupported Constant")
         return np.asarray(tensor.numpy())
     if op == "Shape":
-        dims = [int(d) for d in node.inputs[0].shape]
-        start, end = _attr(node, "start", 0), _attr(node, "end", None)
-        return np.array(dims[start:end], dtype=np.int64)
+        return np.array([int(d) for d in _read_dims(node)], dtype=np.int64)
+    if op == "CastLike":
+        return _evaluate(node.inputs[0]).astype(node.inputs[1].dtype.numpy())
     if op == "Size":
         return np.array(int(np.prod([int(d) for d in node.inputs[0].shape])), dtype=np.int64)
     args = [None if v is None else _evaluate(v) for v in node.inputs]

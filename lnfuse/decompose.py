@@ -18,8 +18,9 @@ import onnx_ir as ir
 
 from lnfuse import io
 from lnfuse.constants import static_value
-from lnfuse.engine import apply, cleanup, scopes, _all_names
+from lnfuse.engine import apply, cleanup, nodes_of, scopes, type_new_values, _all_names
 from lnfuse.pattern import attr_value
+from lnfuse.provenance import mark_decomposed
 from lnfuse.report import Fused, Report, Unfused
 from lnfuse.rule import GraphContext, Refusal, Replacement
 from lnfuse.rules import embed_norm, layer_norm, rms_norm, skip_norm
@@ -52,13 +53,15 @@ _INVERSES: dict[tuple[str, str], _Inverse] = {
 
 def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
     """Replace every fused norm op by primitive ONNX ops; returns a ``FuseResult`` whose report lists them."""
-    from lnfuse.api import FuseResult, _op_counts
+    from lnfuse.api import FuseResult, _op_counts, anchor
 
     start = time.perf_counter()
     loaded = io.load(model)
+    anchor(loaded)
     report = Report(source=str(loaded.path or "<model>"), target="onnx", verified=verify_rewrites)
     report.ops_before = _op_counts(loaded.model)
     names = _all_names(loaded.model)
+    before = nodes_of(loaded.model)
     for scope in scopes(loaded.model):
         ctx = GraphContext(scope.graph, scope.opset, "onnx", scope.path, names)
         done = []
@@ -90,7 +93,8 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
             n.domain == "com.microsoft" for n in ir.traversal.RecursiveGraphIterator(loaded.model.graph)):
         del loaded.model.opset_imports["com.microsoft"]
     report.ops_after = _op_counts(loaded.model)
-    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info | type_new_values(loaded.model, before))
+    mark_decomposed(loaded.model, report, verify_rewrites)
     report.seconds = time.perf_counter() - start
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)
 
@@ -154,6 +158,8 @@ def _replacement(node: ir.Node, inverse: _Inverse, ctx: GraphContext, model: ir.
     x = node.inputs[0]
     if x is None or x.shape is None or x.type is None:
         raise Refusal("shape", f"the type or rank of '{x.name if x else '?'}' is unknown")
+    if node.domain == "com.microsoft" and len(node.inputs) > 1 and node.inputs[1] is not None:
+        _share_last_two_dims(x, node.inputs[1])
     rank = len(x.shape)
     attrs = {"epsilon": float(attr_value(node, "epsilon", 1e-12 if node.domain == "com.microsoft" else 1e-5))}
     if node.domain != "com.microsoft":
@@ -185,6 +191,21 @@ def _replacement(node: ir.Node, inverse: _Inverse, ctx: GraphContext, model: ir.
             mapping[old].type, mapping[old].shape = old.type, old.shape
     return Replacement(op_type=node.op_type, domain=node.domain, nodes=nodes, outputs=mapping, region=[node],
                        attributes=attrs)
+
+
+def _share_last_two_dims(x: ir.Value, skip: ir.Value) -> None:
+    """The Skip kernels run only when input and skip agree in their last two dims, so where one of them knows a
+    size the other writes symbolically (``floor(height/8)*floor(width/8) + 1`` against 17), that is the size:
+    verification would otherwise draw independent sizes for the two and the kernel would refuse them."""
+    if x.shape is None or skip.shape is None or min(len(x.shape), len(skip.shape)) < 2:
+        return
+    a, b = list(x.shape), list(skip.shape)
+    for i in (-2, -1):
+        if isinstance(b[i], int) and not isinstance(a[i], int):
+            a[i] = b[i]
+        elif isinstance(a[i], int) and not isinstance(b[i], int):
+            b[i] = a[i]
+    x.shape, skip.shape = ir.Shape(a), ir.Shape(b)
 
 
 def _inline(function, actual: dict[str, ir.Value], attrs: dict, ctx: GraphContext,
@@ -233,6 +254,13 @@ def _lower(body: ir.Graph, opset: int) -> None:
             tensor = ir.convenience.get_const_tensor(node.outputs[0])
             node.attributes.clear()
             node.attributes["value"] = ir.AttrTensor("value", tensor)
+        if node.op_type == "Range" and all(static_value(v) is not None for v in node.inputs):
+            # the references compute axes as Range(axis, 0, 1); onnx's inference reads axes only from a constant
+            start, limit, delta = (static_value(v) for v in node.inputs)
+            node.op_type = "Constant"
+            node.resize_inputs(0)
+            node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.arange(start, limit, delta)))
+            continue
         if node.op_type == "CastLike":
             target = node.inputs[1].dtype
             node.resize_inputs(1)

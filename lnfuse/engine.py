@@ -7,16 +7,22 @@ dead nodes are removed, opsets are declared).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
+import numpy as np
+import onnx
 import onnx_ir as ir
 
 from lnfuse.canonical import canonicalize
+from lnfuse.constants import static_value
 from lnfuse.pattern import Match
-from lnfuse.report import Fused, Report, Unfused
+from lnfuse.provenance import mark_fused
+from lnfuse.report import Fused, Refused, Report, Unfused
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
+from lnfuse.shapes import infer_shapes
 from lnfuse.traversal import every_node
 from lnfuse.verify import verify
 
@@ -49,11 +55,24 @@ class _Candidate:
 
 
 @dataclass
+class _Attempt:
+    """One match of an anchor that a check refused, with the nodes it covered (how far it matched)."""
+
+    refusal: Refusal
+    nodes: list[ir.Node]
+    #: how far through the checks it got: 0 the rule's own checks (a form whose pieces do not fit), 1 the
+    #: engine's check of intermediates, 2 its cycle check, 3 verification in ORT (it passed every check)
+    stage: int = 0
+    #: within the rule's checks, how many of the match's bindings they had read when one failed
+    read: int = 0
+
+
+@dataclass
 class _Pass:
     """What one rule found in one graph."""
 
     accepted: list[_Candidate] = field(default_factory=list)
-    refused: dict[ir.Node, tuple[Refusal, list[ir.Node]]] = field(default_factory=dict)
+    refused: dict[ir.Node, list[_Attempt]] = field(default_factory=dict)
     #: graph order of the nodes when the pass began (indexing once keeps a pass linear in the graph's size)
     position: dict[ir.Node, float] = field(default_factory=dict)
 
@@ -139,11 +158,41 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
             for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match())):
                 for anchor in rule.anchor_nodes(m):
                     if anchor not in consumed:
-                        found.refused.setdefault(anchor, (Refusal(check, reason), list(m.nodes)))
+                        found.refused.setdefault(anchor, []).append(_Attempt(Refusal(check, reason), list(m.nodes)))
     for candidate in found.accepted:
         for anchor in candidate.anchors:
             found.refused.pop(anchor, None)
     return found
+
+
+class _Reads(Mapping):
+    """A match's bindings, counting the names a rule reads: checks read bindings as they go, so a form refused
+    after reading more of them got further through the checks (a bias that is no bias fails early, and says
+    less about the candidate than a residual whose addends differ in shape, found later)."""
+
+    def __init__(self, bindings: Mapping):
+        self._bindings, self._read = bindings, set()
+
+    @staticmethod
+    def of(m: Match) -> Match:
+        return dataclasses.replace(m, values=_Reads(m.values), named_nodes=_Reads(m.named_nodes))
+
+    def __getitem__(self, name):
+        self._read.add(name)
+        return self._bindings[name]
+
+    def __contains__(self, name) -> bool:
+        self._read.add(name)
+        return name in self._bindings
+
+    def __iter__(self):
+        return iter(self._bindings)
+
+    def __len__(self) -> int:
+        return len(self._bindings)
+
+    def read(self) -> int:
+        return len(self._read)
 
 
 def _limited(matches: Iterator[Match]) -> Iterator[Match]:
@@ -160,18 +209,22 @@ def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir
             if consumed.intersection(m.nodes):
                 continue
             anchors = list(rule.anchor_nodes(m))
+            stage, m = 0, _Reads.of(m)
             try:
                 _no_function_attributes(m)
                 replacement = rule.build(m, ctx)
+                stage = 1
                 check_intermediates(replacement)
+                stage = 2
                 check_no_cycle(replacement, position)
             except Refusal as refusal:
                 for anchor in anchors:
-                    found.refused.setdefault(anchor, (refusal, list(m.nodes)))
+                    found.refused.setdefault(anchor, []).append(
+                        _Attempt(refusal, list(m.nodes), stage, m.values.read() + m.named_nodes.read()))
                 continue
             # a larger form refused for its gamma/beta means the affine stays outside: say so
-            notes = [found.refused[a][0].detail for a in anchors
-                     if a in found.refused and found.refused[a][0].check in ("gamma", "beta")]
+            notes = list(dict.fromkeys(a.refusal.detail for anchor in anchors for a in found.refused.get(anchor, [])
+                                       if a.refusal.check in ("gamma", "beta")))
             return _Candidate(rule, replacement, anchors, notes)
     return None
 
@@ -250,16 +303,18 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
         else:
             refusal = Refusal("verify", f"{c.replacement.op_type} rewrite not applied: {outcome.detail}")
             for anchor in c.anchors:
-                found.refused[anchor] = (refusal, c.replacement.region)
+                found.refused.setdefault(anchor, []).append(_Attempt(refusal, c.replacement.region, stage=3))
     return kept
 
 
 def _record_fused(c: _Candidate, scope: Scope, error: float | None, report: Report) -> None:
     rep = c.replacement
-    report.fused.append(Fused(
+    record = Fused(
         rule=c.rule.name, op_type=rep.op_type, graph=scope.path, nodes=[_label(n) for n in rep.region],
         attributes=rep.attributes, max_error=None if error is None or math.isnan(error) else error,
-        outputs=[old.name for old in rep.outputs], notes=c.notes))
+        outputs=[old.name for old in rep.outputs], notes=c.notes + rep.notes)
+    report.fused.append(record)
+    mark_fused(rep.nodes, rep.region, record)
 
 
 def _label(node: ir.Node) -> str:
@@ -267,26 +322,40 @@ def _label(node: ir.Node) -> str:
     return node.name or f"<unnamed {node.op_type}>"
 
 
+def deciding(attempts: list[_Attempt]) -> _Attempt:
+    """The refusal that kept an anchor unfused: the one on the form that got furthest through the checks (a form
+    the rule accepted and the engine refused for a cycle fits the model; a form refused for a bias of the wrong
+    shape does not; within the rule's checks, the one that had read more bindings), then by the nodes it matched;
+    the first tried where they tie. Fixing what the
+    first pattern tried would not help when another form was refused for another reason."""
+    return max(attempts, key=lambda a: (a.stage, a.read, len(a.nodes)))
+
+
 def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Report) -> None:
-    """One entry per refused candidate still in the graph; where rules disagree on an anchor, the first rule's
-    reason is the one a user needs (a centred norm refused as LayerNormalization is not an RMS near-miss)."""
+    """One entry per refused candidate still in the graph, with its deciding refusal and the others; where rules
+    disagree on an anchor, the first rule's reason is the one a user needs (a centred norm refused as
+    LayerNormalization is not an RMS near-miss)."""
     reported: set[ir.Node] = set()
     for rule, found in passes:
-        by_refusal: dict[int, tuple[Refusal, list[ir.Node], list[ir.Node]]] = {}
-        for anchor, (refusal, nodes) in found.refused.items():
+        by_refusal: dict[int, tuple[_Attempt, list[_Attempt], list[ir.Node]]] = {}
+        for anchor, attempts in found.refused.items():
             if anchor in reported:
                 continue
+            decided = deciding(attempts)
             if anchor.graph is None:  # fused by a later rule
                 if rule.reports_fallback:
                     report.notes.append(f"{scope.path}: {rule.name} left {anchor.op_type} '{_label(anchor)}' to a "
-                                        f"later rule ({refusal.check}: {refusal.detail})")
+                                        f"later rule ({decided.refusal.check}: {decided.refusal.detail})")
                 continue
-            by_refusal.setdefault(id(refusal), (refusal, nodes, []))[2].append(anchor)
-        for refusal, nodes, anchors in by_refusal.values():
+            by_refusal.setdefault(id(decided.refusal), (decided, attempts, []))[2].append(anchor)
+        for decided, attempts, anchors in by_refusal.values():
             reported.update(anchors)
+            others = {(a.refusal.check, a.refusal.detail): len(a.nodes) for a in attempts if a is not decided
+                      and (a.refusal.check, a.refusal.detail) != (decided.refusal.check, decided.refusal.detail)}
             report.unfused.append(Unfused(
                 rule=rule.name, graph=scope.path, anchor=", ".join(f"{a.op_type} '{a.name}'" for a in anchors),
-                check=refusal.check, reason=refusal.detail, nodes=[_label(n) for n in nodes]))
+                check=decided.refusal.check, reason=decided.refusal.detail, nodes=[_label(n) for n in decided.nodes],
+                others=[Refused(check, reason, matched) for (check, reason), matched in others.items()]))
 
 
 def apply(graph: ir.Graph | ir.Function, rep: Replacement, position: dict[ir.Node, float]) -> None:
@@ -394,3 +463,85 @@ def _all_names(model: ir.Model) -> set[str]:
             names.update(v.name for v in node.inputs if v is not None)
     names.update(model.graph.initializers)
     return names
+
+
+def nodes_of(model: ir.Model) -> set[ir.Node]:
+    """Every node of the model, subgraphs and functions included (what was there before a rewrite)."""
+    return {node for graph in [model.graph, *model.functions.values()]
+            for node in ir.traversal.RecursiveGraphIterator(graph)}
+
+
+def type_new_values(model: ir.Model, before: set[ir.Node]) -> set[str]:
+    """Give every value lnfuse wrote (the outputs of nodes not in ``before``) its dtype and shape, and return their
+    names: the saved model declares them, so that a later pass (decompose, ORT, onnx's inference) sees a fully
+    typed graph. Rules type what they can from the values they replace; the rest is inferred here, node by node
+    with onnx's inference for standard ops, and with ONNX Runtime's symbolic inference for its contrib ops."""
+    names: set[str] = set()
+    for graph in [model.graph, *model.functions.values()]:
+        opsets = {**model.opset_imports, **(graph.opset_imports if isinstance(graph, ir.Function) else {})}
+        new = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n not in before]
+        untyped = []
+        for node in new:
+            if any(_untyped(v) for v in node.outputs) and not _infer_node(node, opsets, model.ir_version):
+                untyped.append(node)
+        if untyped:
+            _infer_contrib(untyped, opsets, model.ir_version)
+        names.update(v.name for n in new for v in n.outputs if v.name and not _untyped(v))
+    return names
+
+
+def _untyped(value: ir.Value) -> bool:
+    return bool(value.name) and (value.type is None or value.shape is None)
+
+
+def _infer_node(node: ir.Node, opsets: dict[str, int], ir_version: int) -> bool:
+    """Type the node's outputs with onnx's own inference for its op; False where onnx has no schema for it."""
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
+    except onnx.defs.SchemaError:
+        return False
+    known = [v for v in node.inputs if v is not None and v.type is not None]
+    types = {v.name: ir.serde.serialize_value(v).type for v in known}
+    data = {}
+    for v in known:  # small constants (axes, Reshape targets) decide output shapes
+        if v.shape is not None and v.shape.is_static() and math.prod(v.shape.numpy()) <= 64 \
+                and (array := static_value(v)) is not None:
+            data[v.name] = onnx.numpy_helper.from_array(np.asarray(array), v.name)
+    try:
+        inferred = onnx.shape_inference.infer_node_outputs(
+            schema, ir.serde.serialize_node(node), types, data,
+            opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()], ir_version=ir_version)
+    except Exception:  # noqa: BLE001 - onnx raises several types; the value stays untyped and the test says so
+        return True
+    for value in node.outputs:
+        _set_type(value, inferred.get(value.name))
+    return True
+
+
+def _infer_contrib(nodes: list[ir.Node], opsets: dict[str, int], ir_version: int) -> None:
+    """ONNX Runtime's symbolic inference on a small graph of just these nodes, their inputs as typed inputs."""
+    produced = {v for n in nodes for v in n.outputs}
+    inputs = {v.name: v for n in nodes for v in n.inputs if v is not None and v not in produced}
+    if any(v.type is None or v.shape is None for v in inputs.values()):
+        return
+    graph = onnx.helper.make_graph(
+        [ir.serde.serialize_node(n) for n in nodes], "lnfuse_types",
+        [ir.serde.serialize_value(v) for v in inputs.values()],
+        [onnx.helper.make_value_info(v.name, onnx.TypeProto()) for v in produced if v.name])
+    probe = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()])
+    probe.ir_version = ir_version
+    inferred, _ = infer_shapes(probe)
+    found = {v.name: v.type for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    for value in produced:
+        if _untyped(value):
+            _set_type(value, found.get(value.name))
+
+
+def _set_type(value: ir.Value, type_proto: onnx.TypeProto | None) -> None:
+    if type_proto is None or not type_proto.tensor_type.elem_type:
+        return
+    if value.type is None:
+        value.type = ir.serde.deserialize_type_proto_for_type(type_proto)
+    if value.shape is None and type_proto.tensor_type.HasField("shape"):
+        value.shape = ir.serde.deserialize_type_proto_for_shape(type_proto)

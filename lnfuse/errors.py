@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
+#: control characters (a newline or an escape sequence in a file or tensor name) would split or garble the line
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters shown as escapes (``\\n``), so it prints as exactly one line."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
 
 def first_line(error: Exception) -> str:
     """The first line of an exception's message (libraries raise multi-line ones; the CLI prints one line)."""
@@ -10,6 +20,9 @@ def first_line(error: Exception) -> str:
 
 class LnfuseError(Exception):
     exit_code = 2
+
+    def __str__(self) -> str:
+        return one_line(super().__str__())
 
 
 class InputError(LnfuseError):

@@ -12,7 +12,6 @@ import math
 import mmap
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,16 +20,13 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError, Message
 
-from onnx.external_data_helper import load_external_data_for_tensor
-
-from lnfuse import wire
+from lnfuse import trust, wellformed, wire
+from lnfuse.staging import Staging
 from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
+from lnfuse.repair import repair
 from lnfuse.shapes import infer_function_types, infer_shapes
 from lnfuse.traversal import every_node, subgraphs
-
-#: ONNX Runtime 1.31 reads IR versions up to 13
-MAX_IR_VERSION = 13
 
 
 @dataclass
@@ -43,10 +39,10 @@ class Loaded:
     source: SourceWeights | None = None
 
 
-def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | None]:
+def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | None, list[Path]]:
     """The model without its data: external data stays external, and large inline weights become placeholders that
-    point into the model file (where they lie is returned with it). Or ``InputError`` saying what is wrong with the
-    file."""
+    point into the model file (where they lie is returned with it, and the external data files it may read). Or
+    ``InputError`` saying what is wrong with the file."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file; check the path")
@@ -61,7 +57,9 @@ def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | 
         raise InputError(f"{p}: not a readable ONNX model (truncated or not ONNX: {first}); re-export it") from None
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise InputError(f"{p}: not an ONNX model (no graph or IR version); re-export it")
-    return proto, weights
+    # the model's own external references; lnfuse's placeholders point into the model file itself
+    data_files = trust.check_external_data(proto, p.parent, str(p), lnfuse_made=weights.holds if weights else None)
+    return proto, weights, data_files
 
 
 #: onnx.load's text formats, chosen by file extension like onnx does
@@ -77,26 +75,22 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
         try:
             structure, weights = split(mapped, identity)
             proto = onnx.ModelProto.FromString(structure)
-        except (ValueError, IndexError, DecodeError):
-            # not splittable (truncated, or not what it claims): let protobuf say what is wrong, or read it whole
+        except (ValueError, TypeError, IndexError, DecodeError):
+            # not splittable (truncated, or not what it claims, e.g. a weight of no data type): let protobuf say
+            # what is wrong, or read it whole (and let the checks name the flaw)
             return onnx.ModelProto.FromString(memoryview(mapped)), None
     return proto, weights if weights.tensors else None
 
 
-def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None,
-             external: list[onnx.TensorProto]) -> onnx.ModelProto:
+def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None) -> onnx.ModelProto:
     """Versions, external files, then onnx's checker on the model's skeleton (the weights' bytes are not what
     makes a graph valid, and checking them would cost a full copy). Returns the skeleton."""
-    if proto.ir_version > MAX_IR_VERSION:
-        raise InputError(f"{where}: IR version {proto.ir_version} is newer than ONNX Runtime reads (<= "
-                         f"{MAX_IR_VERSION}); re-export with an older onnx or set model.ir_version")
+    repair(proto, where)  # what ONNX Runtime repairs itself (node order, domains, -1 dims), or its refusal
     max_opset = onnx.defs.onnx_opset_version()
     for imp in proto.opset_import:
         if imp.domain in ("", "ai.onnx") and imp.version > max_opset:
             raise InputError(f"{where}: opset {imp.version} is newer than this onnx supports ({max_opset}); "
                              "upgrade onnx or re-export at a lower opset")
-    if path is not None:
-        _check_external_files(external, path)
     checked = _skeleton(proto, base_dir)
     try:
         onnx.checker.check_model(checked)
@@ -153,20 +147,6 @@ def _without_ort_only_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def _check_external_files(external: list[onnx.TensorProto], path: Path) -> None:
-    base = path.parent
-    for tensor in external:
-        info = {e.key: e.value for e in tensor.external_data}
-        location = base / info.get("location", "")
-        if not location.is_file():
-            raise InputError(f"{path}: external data file '{info.get('location')}' of tensor '{tensor.name}' is "
-                             f"missing; put it next to the model")
-        end = int(info.get("offset", 0)) + int(info.get("length", 0))
-        if end > location.stat().st_size:
-            raise InputError(f"{path}: external data file '{info.get('location')}' is shorter than tensor "
-                             f"'{tensor.name}' needs ({end} bytes); the file is truncated")
-
-
 def _external_tensors(proto: onnx.ModelProto):
     from onnx.external_data_helper import _get_all_tensors
     return [t for t in _get_all_tensors(proto) if t.data_location == onnx.TensorProto.EXTERNAL]
@@ -208,10 +188,7 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
                 weights.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
         elif tensor.data_location == onnx.TensorProto.EXTERNAL and base_dir is not None:
             # a small constant (a Reshape target, epsilon) stored outside: shape inference needs its value
-            small = onnx.TensorProto()
-            small.CopyFrom(tensor)
-            load_external_data_for_tensor(small, str(base_dir))
-            kept.append(small)
+            kept.append(_inlined(tensor, base_dir))
         elif tensor.data_location != onnx.TensorProto.EXTERNAL:
             kept.append(tensor)
         else:
@@ -234,8 +211,28 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
     return skeleton
 
 
-def _external_ir_tensors(model: ir.Model):
-    return (v.const_value for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor))
+def _inlined(tensor: onnx.TensorProto, base_dir: Path) -> onnx.TensorProto:
+    """A copy of an external tensor (already checked by ``trust``) with its bytes inline. Read here rather than by
+    onnx's loader, which refuses a location through any link, even one inside the model's folder."""
+    info = {e.key: e.value for e in tensor.external_data}
+    small = onnx.TensorProto()
+    small.CopyFrom(tensor)
+    del small.external_data[:]
+    small.data_location = onnx.TensorProto.DEFAULT
+    with open(base_dir / info["location"], "rb") as file:
+        file.seek(int(info.get("offset", 0)))
+        small.raw_data = file.read(int(info["length"])) if "length" in info else file.read()
+    return small
+
+
+def _one_base_dir(model: ir.Model) -> Path | None:
+    """The folder an ``ir.Model``'s external tensors are read from (the trust boundary needs one model folder)."""
+    folders = {Path(v.const_value.base_dir) for g in _all_graphs(model) if not isinstance(g, ir.Function)
+               for v in g.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)}
+    if len(folders) > 1:
+        raise InputError(f"model: external tensors are read from {len(folders)} folders "
+                         f"({', '.join(sorted(map(repr, map(str, folders))))}); save the model to one folder first")
+    return next(iter(folders), None)
 
 
 def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
@@ -247,23 +244,26 @@ def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
     return names
 
 
-def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
-    """Read, validate and shape-infer a model; external weights stay on disk."""
-    base_dir = None
+def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path | None = None) -> Loaded:
+    """Read, validate and shape-infer a model; external weights stay on disk. ``base_dir`` anchors the external
+    data of a ModelProto that lnfuse made from a file (the working directory otherwise, as onnx_ir reads it)."""
     if isinstance(source, ir.Model):
         # work on a copy: the caller's model is never modified; external tensors keep pointing at their files
-        base_dir = next((Path(t.base_dir) for t in _external_ir_tensors(source)), None)
+        base_dir = _one_base_dir(source)
         source = ir.serde.serialize_model(source)
     lazy: FileWeights | None = None
     if isinstance(source, onnx.ModelProto):
         proto, path, where = source, None, "model"
         proto = onnx.ModelProto.FromString(proto.SerializeToString())
+        # external data of a ModelProto is read relative to the working directory, as onnx_ir reads it
+        data_files = trust.check_external_data(proto, base_dir or Path.cwd(), where)
     else:
         path = Path(source)
-        (proto, lazy), where = read_proto(path), str(path)
-    _densify_sparse(proto)
+        (proto, lazy, data_files), where = read_proto(path), str(path)
+    wellformed.check(proto, where)
+    _densify_sparse(proto, where)
     external = _external_tensors(proto)
-    skeleton = validate(proto, where, path, path.parent if path is not None else base_dir, external)
+    skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
     has_external = any(lazy is None or not lazy.holds(t) for t in external)
     del external
@@ -286,6 +286,7 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> Loaded:
     infer_function_types(model)
     if has_external and (path is not None or base_dir is not None):
         ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
+    model.meta[INPUT_FILES] = ([path] if path is not None else []) + data_files
     return Loaded(model, path, declared, has_external, error, attach(model, lazy) if lazy else None)
 
 
@@ -348,23 +349,49 @@ def _set_types(graph: ir.Graph, infos: list[onnx.ValueInfoProto]) -> None:
         value.shape, value.type = shape, ir.TensorType(kind.dtype)
 
 
-def _densify_sparse(proto: onnx.ModelProto) -> None:
+#: where a loaded model keeps the files it was read from (saving must never write over one of them)
+INPUT_FILES = "lnfuse.input_files"
+
+
+#: a sparse tensor is stored dense in memory and in the output: refused past this size, checked before allocating
+#: (a 320-byte sparse initializer can declare a 37 GiB dense shape). 256 MiB is far above any sparse constant a
+#: normalization touches and matches the memory lnfuse allows itself for verification inputs.
+MAX_DENSE_SPARSE_BYTES = 256 << 20
+
+
+def _densify_sparse(proto: onnx.ModelProto, where: str) -> None:
     """Sparse constants and initializers as dense tensors of the same values (onnx_ir reads only dense ones)."""
     for node in _every_node(proto):
         for attr in node.attribute:
             if node.op_type == "Constant" and attr.name == "sparse_value":
-                dense = onnx.helper.make_attribute("value", _dense(attr.sparse_tensor))
+                dense = onnx.helper.make_attribute("value", _dense(attr.sparse_tensor, where))
                 attr.CopyFrom(dense)
-    proto.graph.initializer.extend(_dense(sparse) for sparse in proto.graph.sparse_initializer)
+    proto.graph.initializer.extend(_dense(sparse, where) for sparse in proto.graph.sparse_initializer)
     proto.graph.ClearField("sparse_initializer")
 
 
-def _dense(sparse: onnx.SparseTensorProto) -> onnx.TensorProto:
-    values = onnx.numpy_helper.to_array(sparse.values)
-    indices = onnx.numpy_helper.to_array(sparse.indices).astype(np.int64)
+def _dense(sparse: onnx.SparseTensorProto, where: str) -> onnx.TensorProto:
+    said = f"{where}: sparse tensor {sparse.values.name!r}"
     dims = [int(d) for d in sparse.dims]
-    flat = np.zeros(int(np.prod(dims)), dtype=values.dtype)
-    flat[indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)] = values
+    elements = trust.element_count(dims, said)
+    try:
+        itemsize = ir.DataType(sparse.values.data_type).itemsize
+        if elements * itemsize > MAX_DENSE_SPARSE_BYTES:
+            raise InputError(f"{said}: its dense shape {dims} needs {elements * itemsize:.0f} bytes, more than lnfuse "
+                             f"allows ({MAX_DENSE_SPARSE_BYTES >> 20} MiB); store it dense or smaller")
+        values = onnx.numpy_helper.to_array(sparse.values)
+        indices = onnx.numpy_helper.to_array(sparse.indices).astype(np.int64)
+    except (ValueError, TypeError, KeyError) as error:
+        raise InputError(f"{said}: cannot be read ({first_line(error)}); re-export the model") from None
+    linear = indices.ndim == 1
+    if values.ndim != 1 or not (linear or indices.shape == (len(values), len(dims))) or len(indices) != len(values):
+        raise InputError(f"{said}: {len(values)} values and indices of shape {list(indices.shape)} do not match its "
+                         f"{len(dims)} dimensions; re-export the model")
+    bounds = np.array([elements] if linear else dims, dtype=np.int64)
+    if indices.size and ((indices < 0).any() or (indices >= bounds).any()):
+        raise InputError(f"{said}: an index lies outside its shape {dims}; re-export the model")
+    flat = np.zeros(elements, dtype=values.dtype)
+    flat[indices if linear else np.ravel_multi_index(tuple(indices.T), dims)] = values
     return onnx.numpy_helper.from_array(flat.reshape(dims), sparse.values.name)
 
 
@@ -394,34 +421,60 @@ EXTERNAL_LAYOUTS = ("keep", "single")
 
 
 def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None, input_path: Path | None = None,
-         in_place: bool = False, source: SourceWeights | None = None) -> None:
-    """Write ``model`` to ``path`` atomically: everything goes to a temporary folder beside the target, then each
-    file is renamed into place, data first. A crash or Ctrl-C leaves no partial output, and the input's data files
-    are never written to."""
+         in_place: bool = False, source: SourceWeights | None = None,
+         report: tuple[str | os.PathLike, str] | None = None) -> None:
+    """Write ``model`` to ``path`` (and ``report = (path, text)``) atomically: every file goes to a temporary
+    folder beside its destination, and only when all are written is each renamed into place, the model last. A
+    crash or Ctrl-C leaves no partial output, and no file the run reads (the input and its data) is ever written."""
     target = Path(path)
     if input_path is not None and not in_place and _same_file(target, input_path):
         raise OutputError(f"{target}: the output would overwrite the input; choose another path or pass --in-place")
+    if in_place and target.is_symlink():
+        target = Path(os.path.realpath(target))  # rewrite the file the link names, keep the link
     folder = target.parent if str(target.parent) else Path(".")
-    if not folder.is_dir():
-        raise OutputError(f"{target}: folder '{folder}' does not exist; create it first")
-    if not os.access(folder, os.W_OK):
-        raise OutputError(f"{target}: folder '{folder}' is not writable; choose another output path")
-    tmp = None
+    report_path = Path(report[0]) if report is not None else None
+    for where in [folder] + ([report_path.parent if str(report_path.parent) else Path(".")] if report else []):
+        if not where.is_dir():
+            raise OutputError(f"{target}: folder {str(where)!r} does not exist; create it first")
+        if not os.access(where, os.W_OK):
+            raise OutputError(f"{target}: folder {str(where)!r} is not writable; choose another output path")
+    _check_overwrites(model, target, folder, external_data, input_path, in_place, source, report_path)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".lnfuse-tmp", dir=folder))
-        _write(model, tmp / target.name, external_data, folder, source)
-        produced = sorted((p for p in tmp.rglob("*") if p.is_file()), key=lambda p: p.name == target.name)
-        for file in produced:
-            final = folder / file.relative_to(tmp)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(file, final)
+        with Staging() as staging:
+            tmp = staging.area(folder)
+            _write(model, tmp / target.name, external_data, folder, source)
+            if report is not None:
+                (staging.area(report_path.parent) / report_path.name).write_text(report[1])
+            staging.commit(last=target)
     except OSError as error:
         raise OutputError(f"{target}: could not write ({error.strerror or error}); check the path and free space")\
             from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(tmp)
+
+
+#: inline weights past this go to ``<output>.data`` whatever the layout (a protobuf cannot exceed 2 GB)
+_INLINE_LIMIT = onnx.checker.MAXIMUM_PROTOBUF * 0.9
+
+
+def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data: str | None,
+                      input_path: Path | None, in_place: bool, source: SourceWeights | None,
+                      report: Path | None) -> None:
+    """Before anything is written: no path the run writes is a file it reads (see ``trust.check_no_overwrite``)."""
+    read_paths = [input_path] if input_path is not None else []
+    read_paths += [source.file.path] if source is not None else []
+    read_paths += model.meta.get(INPUT_FILES, [])
+    read_paths += [file for file, _ in _referenced_files(model)]
+    reads = {ident: p for p in read_paths if (ident := trust.identity(p)) is not None}
+    writes = [target]
+    if external_data == "single" or _inline_bytes(model) > _INLINE_LIMIT:
+        writes.append(folder / (target.name + ".data"))
+    elif external_data == "keep":
+        writes += [trust.confined(folder, location) for file, location in _referenced_files(model)
+                   if not _same_file(folder / location, file)]
+    allowed = set()
+    if in_place and input_path is not None and trust.identity(target) == trust.identity(input_path):
+        # the input model is replaced as asked, and so may be the data file its replacement writes
+        allowed = {trust.identity(p) for p in writes} - {None}
+    trust.check_no_overwrite(reads, writes + ([report] if report is not None else []), allowed)
 
 
 def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: Path,
@@ -433,16 +486,17 @@ def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: 
     if external_data == "single":
         ir.save(model, tmp_model, external_data=data_name)
         return
-    if _inline_bytes(model) > onnx.checker.MAXIMUM_PROTOBUF * 0.9:
+    if _inline_bytes(model) > _INLINE_LIMIT:
         ir.save(model, tmp_model, external_data=data_name)
         return
     _write_streamed(model, tmp_model, source)
     if external_data == "keep":
         # a hard link would be free, but onnx's checker then rejects both models ("potential hardlink attack")
-        for source, location in _referenced_files(model):
-            if not _same_file(folder / location, source):
-                (tmp_model.parent / location).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source, tmp_model.parent / location)
+        for source_file, location in _referenced_files(model):
+            if not _same_file(folder / location, source_file):
+                staged = trust.confined(tmp_model.parent, location)
+                staged.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source_file, staged)
 
 
 def _main_graph_tensors(model: ir.Model):
@@ -589,19 +643,6 @@ def _referenced_files(model: ir.Model) -> set[tuple[Path, str]]:
             if isinstance(tensor, ir.ExternalTensor):
                 found.add((Path(tensor.base_dir) / tensor.location, str(tensor.location)))
     return found
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """A small text file (the JSON report), written to a temporary file beside it and renamed into place."""
-    try:
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".lnfuse-tmp",
-                                         delete=False) as file:
-            file.write(text)
-        os.replace(file.name, path)
-    except OSError as error:
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(file.name)
-        raise OutputError(f"{path}: could not write the report ({error.strerror or error})") from None
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -9,17 +9,22 @@ Semantics:
 - A pattern with a ``name`` binds the value it matched. Meeting the name again requires the same value, or a
   second node that matches the same pattern with the same bindings (old PyTorch exports compute ``x - mean`` twice).
 - ``Either`` tries alternatives in order; matching is a generator, so every alternative is reachable by backtracking.
+- ``Terms`` matches a value by its normal form (``lnfuse.algebra``): a sum of monomials, each a coefficient and
+  factors with exponents. The pattern lists its monomials; order, association, signs and folded constants of the
+  graph's spelling do not matter. Exponents and coefficients the rule wants to check (and explain) are bound as
+  facts instead of being required.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from fractions import Fraction
+from typing import Callable, Iterator, Mapping, Sequence
 
 import onnx_ir as ir
 
-from lnfuse.constants import is_static
+from lnfuse import algebra
 
 COMMUTATIVE = frozenset({"Add", "Mul"})
 
@@ -31,13 +36,26 @@ class Match:
     values: Mapping[str, ir.Value] = field(default_factory=dict)
     named_nodes: Mapping[str, ir.Node] = field(default_factory=dict)
     nodes: tuple[ir.Node, ...] = ()
+    #: numbers the normal form found (exponents, coefficients), for the rule's checks
+    facts: Mapping[str, object] = field(default_factory=dict)
 
     def bind(self, name: str, value: ir.Value) -> "Match":
-        return Match({**self.values, name: value}, self.named_nodes, self.nodes)
+        return Match({**self.values, name: value}, self.named_nodes, self.nodes, self.facts)
 
     def add_node(self, node: ir.Node, name: str | None) -> "Match":
         named = {**self.named_nodes, name: node} if name and name not in self.named_nodes else self.named_nodes
-        return Match(self.values, named, self.nodes + (node,))
+        nodes = self.nodes if node in self.nodes else self.nodes + (node,)
+        return Match(self.values, named, nodes, self.facts)
+
+    def add_nodes(self, nodes: Sequence[ir.Node]) -> "Match":
+        new = tuple(n for n in nodes if n not in self.nodes)
+        return Match(self.values, self.named_nodes, self.nodes + new, self.facts) if new else self
+
+    def with_fact(self, name: str, value: object) -> "Match":
+        return Match(self.values, self.named_nodes, self.nodes, {**self.facts, name: value})
+
+    def fact(self, name: str, default: object = None) -> object:
+        return self.facts.get(name, default)
 
     def value(self, name: str) -> ir.Value | None:
         return self.values.get(name)
@@ -64,6 +82,7 @@ class Pattern(abc.ABC):
         for found in self._match(value, m):
             yield found if self.name is None or self.name in found.values else found.bind(self.name, value)
 
+
     @abc.abstractmethod
     def _match(self, value: ir.Value | None, m: Match) -> Iterator[Match]: ...
 
@@ -82,17 +101,6 @@ class Var(Pattern):
     def _match(self, value, m):
         if value is not None and (self.where is None or self.where(value)):
             yield m
-
-
-class Const(Var):
-    """A value fixed when the model is built: an initializer that is not a graph input, a Constant node, or a small
-    computation on those (``Cast(Constant)``, ``Size(Shape(x))`` of a known rank...).
-
-    Only the structure is checked here; the value is read later, when a check needs it (weights may be external).
-    """
-
-    def __init__(self, name: str):
-        super().__init__(name, is_static)
 
 
 class Op(Pattern):
@@ -127,12 +135,10 @@ class Op(Pattern):
         for attr, accepts in self.attrs.items():
             if not accepts(attr_value(node, attr)):
                 return
-        if node in m.nodes:
-            yield m
-            return
         twin = m.named_nodes.get(self.name) if self.name is not None else None
-        if twin is not None and not _same_computation(node, twin, len(self.inputs)):
+        if twin is not None and twin is not node and not _same_computation(node, twin, len(self.inputs)):
             return
+        # a node met again (x - mean read by the square and the numerator) must match this pattern too
         m = m.add_node(node, self.name)
         actual = list(node.inputs[: len(self.inputs)])
         orders = [list(self.inputs)]
@@ -154,6 +160,129 @@ class Either(Pattern):
     def _match(self, value, m):
         for alt in self.alternatives:
             yield from alt.match(value, m)
+
+
+#: an exponent the pattern requires, or the name of a fact that receives whatever exponent the graph has
+Exponent = "Fraction | str"
+
+
+@dataclass(frozen=True)
+class Mono:
+    """``coef * scale * prod(pattern ** exponent)``: ``scale`` names a fact that receives the graph's coefficient
+    divided by ``coef`` (None: the coefficient must be ``coef``)."""
+
+    coef: float
+    factors: tuple[tuple[Pattern, "Fraction | str"], ...]
+    scale: str | None = None
+
+
+def mono(coef: float, *factors: "Pattern | tuple[Pattern, Fraction | str]", scale: str | None = None) -> Mono:
+    return Mono(coef, tuple(f if isinstance(f, tuple) else (f, Fraction(1)) for f in factors), scale)
+
+
+class Terms(Pattern):
+    """A value whose normal form is exactly these monomials (each graph monomial used once). Given tuples of
+    monomials instead, they are alternative forms, tried in order on one expansion of the value.
+
+    ``either_sign``: the value may also be the negation (a base under an even power: ``(mean - x)**2``).
+    """
+
+    def __init__(self, *monomials: "Mono | tuple[Mono, ...]", name: str | None = None, either_sign: bool = False):
+        self.forms = (monomials,) if all(isinstance(p, Mono) for p in monomials) else tuple(monomials)
+        self.name = name
+        self.either_sign = either_sign
+
+    def root_ops(self) -> frozenset[str] | None:
+        # a form that is one factor alone matches any value
+        alone = any(len(form) == 1 and len(form[0].factors) == 1 for form in self.forms)
+        return None if alone else algebra.CHAIN
+
+    def _match(self, value, m):
+        if value is None:
+            return
+        found = algebra.expand(value)
+        with_nodes = m.add_nodes(found.nodes)
+        for form in self.forms:
+            if len(found.terms) != len(form):
+                continue
+            for sign in ((1.0, -1.0) if self.either_sign else (1.0,)):
+                terms = [algebra.Monomial(t.coef * sign, t.factors) for t in found.terms]
+                yield from _assign_terms(list(form), terms, with_nodes)
+
+
+def _assign_terms(pattern: list[Mono], terms: list, m: Match) -> Iterator[Match]:
+    if not pattern:
+        yield m
+        return
+    head, rest = pattern[0], pattern[1:]
+    for i, term in enumerate(terms):
+        if len(term.factors) != len(head.factors):
+            continue
+        for found, coef in _assign_factors(list(head.factors), list(term.factors), m, term.coef):
+            found = _coefficient(head, coef, found)
+            if found is not None:
+                yield from _assign_terms(rest, terms[:i] + terms[i + 1:], found)
+
+
+def _coefficient(p: Mono, coef: float, m: Match) -> Match | None:
+    ratio = coef / p.coef
+    if p.scale is None:
+        return m if abs(ratio - 1) <= 1e-6 else None
+    bound = m.fact(p.scale)
+    if bound is None:
+        return m.with_fact(p.scale, ratio)
+    return m if abs(ratio - bound) <= 1e-6 * max(1.0, abs(bound)) else None
+
+
+def _assign_factors(pattern: list, factors: list, m: Match, coef: float) -> Iterator[tuple[Match, float]]:
+    """Each pattern factor matched to one graph factor (seen through the scalings and powers that compute it);
+    yields the match and the monomial's coefficient with what the views took out of the factors."""
+    if not pattern:
+        yield m, coef
+        return
+    (leaf, exponent), rest = pattern[0], pattern[1:]
+    for i, factor in enumerate(factors):
+        for value, power, nodes, c in _views(factor.value, factor.exponent):
+            if isinstance(exponent, Fraction):
+                if power != exponent:
+                    continue
+                bound = m
+            else:
+                seen = m.fact(exponent)
+                if seen is not None and seen != power:
+                    continue
+                bound = m.with_fact(exponent, power)
+            bound = bound.add_nodes(nodes)
+            for found in leaf.match(value, bound):
+                for twinned in _match_twins(leaf, factor.twins, found):
+                    yield from _assign_factors(rest, factors[:i] + factors[i + 1:], twinned, coef * c)
+
+
+def _views(value: ir.Value, exponent: Fraction) -> Iterator[tuple[ir.Value, Fraction, tuple, float]]:
+    """``value ** exponent``, then the same seen through the scalings and powers that compute value
+    (``Sqrt(v)**-1`` is ``v**-0.5``, ``(ReduceSum(x) / N)**2`` is ``N**-2 * ReduceSum(x)**2``) where the chain was
+    not expanded because an intermediate is read elsewhere. Yields (base, exponent, nodes, coefficient)."""
+    nodes: tuple = ()
+    coef = 1.0
+    while True:
+        yield value, exponent, nodes, coef
+        view = algebra.power_view(value)
+        if view is None or not algebra.power_ok(view[1], exponent):
+            return
+        base, p, c, node = view
+        if exponent.denominator != 1 and c <= 0:
+            return
+        coef *= float(c ** float(exponent)) if exponent.denominator != 1 else float(Fraction(c) ** exponent)
+        value, exponent, nodes = base, p * exponent, nodes + (node,)
+
+
+def _match_twins(leaf: Pattern, twins: tuple, m: Match) -> Iterator[Match]:
+    """Twin values (the same computation written twice) must match the same pattern with the same bindings."""
+    if not twins:
+        yield m
+        return
+    for found in leaf.match(twins[0], m):
+        yield from _match_twins(leaf, twins[1:], found)
 
 
 def maybe_cast(p: Pattern, cast: str, name: str | None = None) -> Pattern:

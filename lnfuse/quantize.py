@@ -14,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse.constants import static_value
+from lnfuse.provenance import mark_fused
 from lnfuse.report import Fused, Report, Unfused
 from lnfuse.rule import GraphContext
 from lnfuse.whole_model import compare_models, random_inputs
@@ -45,6 +46,9 @@ def quantize_embeddings(model: ir.Model, scheme: str, names: set[str], report: R
                 graph.register_initializer(value)
         old_out = node.outputs[0]
         fused.outputs[0].type, fused.outputs[0].shape = old_out.type, old_out.shape
+        # mask_index: one int32 per sequence (the kernel's contract), typed like every value lnfuse writes
+        fused.outputs[1].type = ir.TensorType(ir.DataType.INT32)
+        fused.outputs[1].shape = ir.Shape([ids.shape[0]]) if ids.shape is not None else None
         if len(node.outputs) > 1 and (node.outputs[1].uses() or node.outputs[1].is_graph_output()):
             node.outputs[1].replace_all_uses_with(fused.outputs[1], replace_graph_outputs=True)
         graph.insert_after(node, [fused])
@@ -52,8 +56,10 @@ def quantize_embeddings(model: ir.Model, scheme: str, names: set[str], report: R
         old_out.replace_all_uses_with(fused.outputs[0], replace_graph_outputs=True)
         graph.remove(node, safe=True)
         fused.outputs[0].name = name
-        report.fused.append(Fused("quantize_embeddings", "QEmbedLayerNormalization", "main", [node.name],
-                                  {"epsilon": epsilon, "scheme": scheme}, None))
+        record = Fused("quantize_embeddings", "QEmbedLayerNormalization", "main", [node.name],
+                       {"epsilon": epsilon, "scheme": scheme}, None)
+        report.fused.append(record)
+        mark_fused([fused], [node], record)
         done += 1
     for name, value in list(graph.initializers.items()):
         if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
@@ -69,13 +75,36 @@ def _ineligible(node: ir.Node) -> str:
         return "its embedding_sum output is read, which QEmbedLayerNormalization does not produce"
     if node.outputs[0].dtype != ir.DataType.FLOAT:
         return f"it computes in {node.outputs[0].dtype}; QEmbedLayerNormalization has a float32 kernel only"
-    if any(v is not None and static_value(v) is None for v in inputs[2:7]):
+    if any(v is not None and static_value(v) is None and _per_tensor(v) is None for v in inputs[2:7]):
         return "its tables, gamma or beta are not constants"
     return ""
 
 
+def _per_tensor(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """(q, scale, zero_point) when ``value`` is DequantizeLinear of a constant int8/uint8 tensor with one scale and
+    one zero point (a table quantize_dynamic quantized), else None."""
+    node = value.producer()
+    if node is None or node.op_type != "DequantizeLinear" or len(node.inputs) < 3 or node.inputs[2] is None:
+        return None
+    q, scale, zero = node.inputs[:3]
+    if q.const_value is None or q.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or zero.dtype != q.dtype:
+        return None
+    if any(static_value(v) is None or static_value(v).size != 1 for v in (scale, zero)):
+        return None
+    return q, scale, zero
+
+
 def _quantize(ctx: GraphContext, value: ir.Value, scheme: str) -> tuple[ir.Value, ir.Value, ir.Value]:
-    data = static_value(value).astype(np.float32)
+    quantized = _per_tensor(value)
+    wanted = ir.DataType.INT8 if scheme == "int8" else ir.DataType.UINT8
+    if quantized is not None and quantized[0].dtype == wanted:
+        return quantized  # already quantized per tensor in the scheme's type: kept as it is, exactly
+    if quantized is not None:
+        q, scale, zero = quantized
+        data = (q.const_value.numpy().astype(np.float32) - static_value(zero).astype(np.float32)) * \
+            static_value(scale).astype(np.float32)
+    else:
+        data = static_value(value).astype(np.float32)
     if scheme == "int8":
         scale = float(np.abs(data).max()) / 127 or 1.0
         zero = 0
@@ -100,6 +129,10 @@ def _valid_ids(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     feeds = random_inputs(model, seed=7)
     rows = {t.name: t.dims[0] for t in model.graph.initializer if len(t.dims) == 2}
     producers = {o: n for n in model.graph.node for o in n.output}
+    for output, node in producers.items():
+        # a table dequantized per tensor has the rows of the quantized table it reads
+        if node.op_type == "DequantizeLinear" and node.input[0] in rows:
+            rows[output] = rows[node.input[0]]
     rng = np.random.default_rng(7)
     for node in model.graph.node:
         tables = {"Gather": [(0, 1)], "EmbedLayerNormalization": [(2, 0), (4, 1), (3, 8)]}.get(node.op_type, [])

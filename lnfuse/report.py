@@ -21,13 +21,26 @@ class Fused:
 
 
 @dataclass
+class Refused:
+    """A check that failed on one of the forms tried for a candidate, and how many nodes that form matched."""
+
+    check: str
+    reason: str
+    matched: int
+
+
+@dataclass
 class Unfused:
+    """A candidate left as it was: the deciding check (``check``/``reason``, on the form that matched furthest,
+    whose nodes are ``nodes``), and the checks that failed on the other forms tried (``others``)."""
+
     rule: str
     graph: str
     anchor: str
     check: str
     reason: str
     nodes: list[str] = field(default_factory=list)
+    others: list[Refused] = field(default_factory=list)
 
 
 @dataclass
@@ -110,14 +123,22 @@ class Report:
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
-    def explain(self) -> str:
+    def explain(self, verbose: bool = False) -> str:
+        """Every candidate: fused (with what), or left with the deciding check; ``verbose`` also lists the checks
+        that failed on the other forms tried."""
         lines = [f"lnfuse explain: {self.source} (target {self.target})"]
         for f in self.fused:
             attrs = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in f.attributes.items())
             err = "" if f.max_error is None else f"; verified, max error {f.max_error:.2e}"
             lines.append(f"FUSED   {f.graph}: {f.op_type}({attrs}) from {', '.join(f.nodes)}{err}")
+            lines.extend(f"        note: {note}" for note in f.notes)
         for u in self.unfused:
             lines.append(f"LEFT    {u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
+            if verbose:
+                lines += [f"        also refused: [{u.rule}/{o.check}] {o.reason} (a form of {o.matched} nodes)"
+                          for o in u.others]
+            elif u.others:
+                lines.append(f"        ({len(u.others)} other check(s) failed on other forms tried; -v lists them)")
         if len(lines) == 1:
             lines.append("no normalization-like candidates")
         for note in self.notes:

@@ -24,6 +24,23 @@ from lnfuse.traversal import every_node
 def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     """The model with value_info for as many values as can be inferred, and the error if inference failed.
 
+    Declared value_info and output shapes are claims, not facts: inference runs without them, from the inputs and
+    initializers, and a claim is used only where inference says nothing (see ``_merge_claims``). ``proto`` gives
+    up its value_info to this function.
+    """
+    claims = _take_claims(proto.graph)
+    inferred, error = _infer(proto)
+    if _merge_claims(inferred.graph, claims):
+        # a claim filled a gap: infer again, so the values computed from it get shapes too
+        again, again_error = _infer(inferred)
+        if again_error is None:
+            inferred = again
+    return inferred, error
+
+
+def _infer(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+    """onnx's or ONNX Runtime's inference, whichever completes.
+
     The residual rule must prove two addends have the same shape, so symbolic dims must stay consistent through
     Reshape and Shape arithmetic. onnx's inference (C++, milliseconds) often manages; where it leaves a dim
     unknown (an ``unk__`` per value), ONNX Runtime's symbolic shape inference (Python, ~0.1 ms per node) does it
@@ -44,6 +61,80 @@ def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
         if symbolic is not None:
             return symbolic, None
         return proto, str(exc).splitlines()[0]
+
+
+#: what a graph declares about its values: value_info by name, and its outputs' types
+_Claims = tuple[dict[str, onnx.ValueInfoProto], list[onnx.TypeProto], list["_Claims"]]
+
+
+def _take_claims(graph: onnx.GraphProto) -> _Claims:
+    """Remove the graph's value_info and output shapes (and its subgraphs'), and return them. Output dtypes stay:
+    a graph output's dtype is part of the model's interface, and inference checks it against what is computed."""
+    declared = {v.name: v for v in graph.value_info}
+    graph.ClearField("value_info")
+    outputs = []
+    for output in graph.output:
+        outputs.append(onnx.TypeProto.FromString(output.type.SerializeToString()))
+        output.type.tensor_type.ClearField("shape")
+    subgraphs = [_take_claims(sub) for sub in _subgraphs(graph)]
+    return declared, outputs, subgraphs
+
+
+def _merge_claims(graph: onnx.GraphProto, claims: _Claims) -> bool:
+    """Put back what inference left unknown, and nothing it contradicts; True if a claim filled a gap.
+
+    Per value: no inferred type takes the declared one whole; a declared dtype or rank that differs is dropped;
+    per dim, an inferred number or name stays, and only a dim inference left unknown takes the declared one."""
+    declared, outputs, subgraphs = claims
+    filled = False
+    known = {v.name: v for v in list(graph.value_info) + list(graph.input)}
+    for name, claim in declared.items():
+        value = known.get(name)
+        if value is None:
+            graph.value_info.append(claim)
+            filled = True
+        else:
+            filled |= _fill(value.type, claim.type)
+    for output, claim in zip(graph.output, outputs):
+        filled |= _fill(output.type, claim)
+    for sub, sub_claims in zip(_subgraphs(graph), subgraphs):
+        filled |= _merge_claims(sub, sub_claims)
+    return filled
+
+
+def _fill(inferred: onnx.TypeProto, claim: onnx.TypeProto) -> bool:
+    mine, theirs = inferred.tensor_type, claim.tensor_type
+    if not inferred.HasField("tensor_type") or not claim.HasField("tensor_type"):
+        return False
+    if not mine.elem_type:
+        inferred.CopyFrom(claim)
+        return True
+    if theirs.elem_type != mine.elem_type or not theirs.HasField("shape"):
+        return False
+    if not mine.HasField("shape"):
+        mine.shape.CopyFrom(theirs.shape)
+        return True
+    if len(mine.shape.dim) != len(theirs.shape.dim):
+        return False
+    filled = False
+    for dim, said in zip(mine.shape.dim, theirs.shape.dim):
+        if _unknown(dim) and not _unknown(said):
+            dim.CopyFrom(said)
+            filled = True
+    return filled
+
+
+def _unknown(dim: onnx.TensorShapeProto.Dimension) -> bool:
+    return not dim.HasField("dim_value") and (not dim.dim_param or dim.dim_param.startswith("unk__"))
+
+
+def _subgraphs(graph: onnx.GraphProto):
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield attr.g
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                yield from attr.graphs
 
 
 def _complete(graph: onnx.GraphProto) -> bool:

@@ -9,9 +9,11 @@ shows there); symbolic dims get concrete sizes, the same size for the same name.
 from __future__ import annotations
 
 import ast
+import itertools
+import math
 import operator
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -44,7 +46,11 @@ _ID_MOVES = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Id
 #: nodes a region may borrow from its graph to compute what both of its sides read
 _MAX_PRELUDE = 48
 _INTEGERS = (ir.DataType.INT64, ir.DataType.INT32)
+_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _MAX_DIM = 4096
+#: the most the inputs of one ORT verification run may take: a region (or a batch of regions) needing more is
+#: verified on fewer rows, or not at all
+BUDGET = 256 << 20
 
 
 @dataclass
@@ -70,8 +76,7 @@ def verify(replacements: Sequence[Replacement], opsets: dict[str, int], ir_versi
             prepared.append((i, _Region(rep, f"c{i}__", seed + i, position)))
         except Unverifiable as error:
             outcomes[i] = Outcome(False, float("nan"), f"cannot verify: {error}")
-    for start in range(0, len(prepared), _BATCH):
-        batch = prepared[start:start + _BATCH]
+    for batch in _batches(prepared):
         try:
             for (i, _), outcome in zip(batch, _run([r for _, r in batch], opsets, ir_version)):
                 outcomes[i] = outcome
@@ -82,6 +87,19 @@ def verify(replacements: Sequence[Replacement], opsets: dict[str, int], ir_versi
                 except Exception as error:  # noqa: BLE001 - ORT raises several types; the message is what matters
                     outcomes[i] = Outcome(False, float("nan"), f"ORT could not run it: {_first_line(error)}")
     return outcomes
+
+
+def _batches(prepared: list[tuple[int, "_Region"]]) -> Iterator[list[tuple[int, "_Region"]]]:
+    """Consecutive regions, at most ``_BATCH`` of them and ``BUDGET`` bytes of inputs per run."""
+    batch, size = [], 0
+    for item in prepared:
+        if batch and (len(batch) == _BATCH or size + item[1].size > BUDGET):
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += item[1].size
+    if batch:
+        yield batch
 
 
 def _first_line(error: Exception) -> str:
@@ -122,39 +140,86 @@ class _Region:
         self.tables = tables
         # integer inputs used as Gather indices get valid indices for their table
         self.bounds = _id_bounds(old_nodes)
+        self.dtypes = {v: self._dtype(v) for v in self.inputs}
+        self.shrunk = False
+        self.size = 0
         self.feeds = self._feeds(np.random.default_rng(seed))
 
+    def _dtype(self, value: ir.Value) -> ir.DataType:
+        """A region input's dtype; an input typed by nothing (a loop body's carried value when inference could
+        not follow the loop) takes the dtype of the fused op's scale, which the op requires it to share."""
+        if value.dtype is not None:
+            return value.dtype
+        scale = _scale(self.rep)
+        if scale is None or scale.dtype is None:
+            raise Unverifiable(f"the dtype of '{value.name}' is unknown")
+        return scale.dtype
+
     def _feeds(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        dims: dict[str, int] = {}
+        """Random inputs of concrete shapes within ``BUDGET``: first the shapes the graph gives (symbolic dims
+        small); over the budget, the norm's rows shrunk to a few (the fused op is row-wise and the checks proved
+        the region computes the same norm on every row); still over it, the region is not verified."""
+        shapes = self._plan({})
+        if _bytes(shapes, self.dtypes) > BUDGET:
+            shapes = self._plan(_row_shrink(self.rep))
+            if _bytes(shapes, self.dtypes) > BUDGET:
+                value = max(shapes, key=lambda v: _bytes({v: shapes[v]}, self.dtypes))
+                raise Unverifiable(
+                    f"its inputs would take {_bytes(shapes, self.dtypes) / 2**20:,.0f} MiB ('{value.name}' is "
+                    f"{shapes[value]}), over the {BUDGET >> 20} MiB verification budget even with the norm's rows "
+                    "cut to a few (the normalized axes cannot be cut)")
+            self.shrunk = True
+        self.size = _bytes(shapes, self.dtypes)
         feeds = {}
+        for value, shape in shapes.items():
+            dtype = self.dtypes[value]
+            if value in self.shapes_of:
+                feeds[self.prefix + value.name] = np.array(shape, dtype=np.int64)
+            elif value in self.tables and shape:
+                feeds[self.prefix + value.name] = _random_table(rng, dtype, shape, self.tables[value])
+            else:
+                feeds[self.prefix + value.name] = _random(rng, dtype, shape, self.bounds.get(value))
+        return feeds
+
+    def _plan(self, shrink: Mapping[int, int]) -> dict[ir.Value, list[int]]:
+        """The concrete shape of every input (for a ``shapes_of`` input: the shape it holds), the same size for
+        the same symbolic dim, static dims mapped through ``shrink``."""
+        dims: dict[str, int] = {}
+        shapes = {}
         for value in self.inputs:
-            if value.shape is None or value.type is None:
-                raise Unverifiable(f"the shape or dtype of '{value.name}' is unknown")
-            shape = _concrete(value.shape, dims)
             if value in self.shapes_of:
                 # the shape of a value the region computes: the concrete sizes the other inputs were given
                 node = self.shapes_of[value]
                 start, end = attr_value(node, "start", 0), attr_value(node, "end", None)
-                feeds[self.prefix + value.name] = np.array(_concrete(node.inputs[0].shape, dims)[start:end],
-                                                           dtype=np.int64)
-            elif value in self.tables and shape:
-                feeds[self.prefix + value.name] = _random_table(rng, value.dtype, shape, self.tables[value])
+                shapes[value] = _concrete(self._shape(node.inputs[0]), dims, shrink)[start:end]
             else:
-                feeds[self.prefix + value.name] = _random(rng, value.dtype, shape, self.bounds.get(value))
-        return feeds
+                shape = _concrete(self._shape(value), dims, shrink)
+                if value in self.tables and shape and shrink:
+                    # ids point at the first rows only: a table needs no more rows than they and constant ids pick
+                    shape[0] = min(shape[0], max([_TABLE_ROWS, *(r + 1 for r in self.tables[value])]))
+                shapes[value] = shape
+        return shapes
+
+    def _shape(self, value: ir.Value) -> ir.Shape:
+        if value.shape is not None:
+            return _named_input_dims(value)
+        guess = _guessed_shape(self.rep)
+        if guess is None:
+            raise Unverifiable(f"the shape of '{value.name}' is unknown, and the fused op does not imply one")
+        return guess
 
     def graph(self, fused: bool) -> tuple[list, list, list, list]:
         nodes = self.new_nodes if fused else self.old_nodes
         pairs = [(new if fused else old) for old, new in self.pairs]
         node_protos, inputs, outputs, inits = [], [], [], []
         for value in self.inputs:
-            name = self.prefix + value.name
-            if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            name, dtype = self.prefix + value.name, self.dtypes[value]
+            if dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
                 # numpy has no bfloat16 for ORT's feed: feed fp32 and cast inside the model
                 inputs.append(onnx.helper.make_tensor_value_info(name + "__f32", onnx.TensorProto.FLOAT, None))
-                node_protos.append(onnx.helper.make_node("Cast", [name + "__f32"], [name], to=value.dtype.value))
+                node_protos.append(onnx.helper.make_node("Cast", [name + "__f32"], [name], to=dtype.value))
             else:
-                inputs.append(onnx.helper.make_tensor_value_info(name, value.dtype.value, None))
+                inputs.append(onnx.helper.make_tensor_value_info(name, dtype.value, None))
         for value in self.constants:
             array = static_value(value)
             if array is None:
@@ -177,7 +242,7 @@ class _Region:
         out = {}
         for value in self.inputs:
             name = self.prefix + value.name
-            key = name + "__f32" if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else name
+            key = name + "__f32" if self.dtypes[value] in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else name
             out[key] = self.feeds[name]
         return out
 
@@ -209,12 +274,72 @@ def _shared_context(old_reads: list[ir.Value], new_reads: list[ir.Value], produc
     return (prelude if len(prelude) <= _MAX_PRELUDE else []), context
 
 
-def _concrete(shape: ir.Shape, sizes: dict[str, int]) -> list[int]:
-    return [d if isinstance(d, int) else
-            _size(str(d) if d is not None and d.value is not None else f"?{len(sizes)}", sizes) for d in shape]
+def _concrete(shape: ir.Shape, sizes: dict[str, int], shrink: Mapping[int, int] = {}) -> list[int]:  # noqa: B006
+    return [shrink.get(d, d) if isinstance(d, int) else
+            dim_size(str(d) if d is not None and d.value is not None else f"?{len(sizes)}", sizes) for d in shape]
 
 
-def _size(name: str, sizes: dict[str, int]) -> int:
+def _bytes(shapes: Mapping[ir.Value, list[int]], dtypes: Mapping[ir.Value, ir.DataType]) -> int:
+    """What the feeds take (half floats are fed as float32). Python ints: a [2**31, 2**31] shape does not wrap."""
+    return sum(math.prod(shape) * (4 if dtypes[v] in _HALF else max(dtypes[v].itemsize, 1))
+               for v, shape in shapes.items())
+
+
+#: the fused ops that normalize row by row, with how to find the normalized axis: ``axis`` attribute (default
+#: -1) or always the last; their first input holds the rows (EmbedLayerNormalization: every dim of its ids)
+_ROW_WISE = {"LayerNormalization": "axis", "SimplifiedLayerNormalization": "axis", "RMSNormalization": "axis",
+             "SkipLayerNormalization": -1, "SkipSimplifiedLayerNormalization": -1,
+             "EmbedLayerNormalization": None, "QEmbedLayerNormalization": None}
+
+
+def _fused_node(rep: Replacement) -> ir.Node | None:
+    return next((n for n in rep.nodes if n.op_type == rep.op_type and n.domain == rep.domain), None)
+
+
+def _row_shrink(rep: Replacement) -> dict[int, int]:
+    """Static sizes of the fused op's rows, each mapped to a small size: verifying a row-wise op on a few rows
+    proves it on any number. A row size equal to a normalized size is kept (the two cannot be told apart)."""
+    node = _fused_node(rep)
+    if node is None or node.op_type not in _ROW_WISE or node.inputs[0] is None or node.inputs[0].shape is None:
+        return {}
+    shape, how = list(node.inputs[0].shape), _ROW_WISE[node.op_type]
+    axis = attr_value(node, "axis", -1) if how == "axis" else how
+    rows, normalized = (shape, []) if axis is None else (shape[:axis % len(shape)], shape[axis % len(shape):])
+    taken = {d for d in normalized if isinstance(d, int)}
+    small = (n for n in itertools.count(2) if n not in taken)
+    return {d: next(small) for d in dict.fromkeys(rows) if isinstance(d, int) and d > 2 and d not in taken}
+
+
+def _scale(rep: Replacement) -> ir.Value | None:
+    """The fused op's scale (gamma): its first floating-point constant input after the data."""
+    node = _fused_node(rep)
+    return next((v for v in (node.inputs[1:] if node is not None else ())
+                 if v is not None and is_static(v) and v.dtype is not None and v.dtype.is_floating_point()
+                 and v.shape is not None), None)
+
+
+def _guessed_shape(rep: Replacement) -> ir.Shape | None:
+    """A shape for a norm input whose shape inference could not tell (a loop body's carried value): a few rows,
+    then the scale's shape, with as many leading dims as a non-negative ``axis`` implies. Any consistent shape
+    serves: the checks proved the region row-wise, and a wrong guess makes ORT fail, which refuses the rewrite."""
+    node, scale = _fused_node(rep), _scale(rep)
+    if node is None or scale is None or node.op_type not in _ROW_WISE or _ROW_WISE[node.op_type] is None:
+        return None
+    axis = attr_value(node, "axis", -1) if _ROW_WISE[node.op_type] == "axis" else -1
+    leading = axis if axis >= 0 else 2
+    return ir.Shape([2, 3, 4, 5][:leading] + list(scale.shape))
+
+
+def _named_input_dims(value: ir.Value) -> ir.Shape:
+    """A graph input's unnamed dims, called what ORT's symbolic inference calls them in the values computed from
+    the input (``input_ids_d1``), so that the input and those values get the same sizes."""
+    if not value.is_graph_input():
+        return value.shape
+    return ir.Shape([d if isinstance(d, int) or d.value is not None else f"{value.name}_d{i}"
+                     for i, d in enumerate(value.shape)])
+
+
+def dim_size(name: str, sizes: dict[str, int]) -> int:
     """A concrete size for a symbolic dim, the same for the same name. A dim that ORT's symbolic inference wrote as
     an expression of others (``batch*sequence`` after a flattening Reshape) gets the value of that expression."""
     if name not in sizes:
@@ -246,7 +371,7 @@ def _dim_expression(tree: ast.expr, sizes: dict[str, int]) -> int | None:
 
 def _operand(tree: ast.expr, sizes: dict[str, int]) -> int:
     if isinstance(tree, ast.Name):
-        return _size(tree.id, sizes)
+        return dim_size(tree.id, sizes)
     value = _dim_expression(tree, sizes)
     if value is None:
         raise ValueError("not a dim expression")
@@ -312,13 +437,12 @@ def _large(value: ir.Value) -> bool:
 
 def _random(rng: np.random.Generator, dtype: ir.DataType, shape: list[int], bound: int | None = None) -> np.ndarray:
     if dtype.is_floating_point():
-        scale = np.ones([shape[0]] + [1] * (len(shape) - 1)) if shape else np.ones(())
-        offset = np.zeros_like(scale)
+        # drawn in place in the fed dtype: no float64 copies of a large input
+        data = np.asarray(rng.standard_normal(shape, dtype=np.float64 if dtype == ir.DataType.DOUBLE else np.float32))
         if shape and shape[0] > 1:
-            scale.reshape(-1)[1::3] = _SMALL_SCALE.get(dtype, 1e-3)
-            offset.reshape(-1)[2::3] = 3.0
-        data = np.asarray(rng.standard_normal(shape) * scale + offset)
-        return data.astype(np.float64 if dtype == ir.DataType.DOUBLE else np.float32)
+            data[1::3] *= _SMALL_SCALE.get(dtype, 1e-3)
+            data[2::3] += 3.0
+        return data
     if dtype == ir.DataType.BOOL:
         return rng.integers(0, 2, size=shape).astype(bool)
     if bound:

@@ -12,7 +12,7 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.constants import is_static, static_value
-from lnfuse.pattern import Const, Either, Match, Op, Pattern, attr_value, maybe_cast
+from lnfuse.pattern import Either, Match, Op, Pattern, attr_value, maybe_cast
 from lnfuse.rule import GraphContext, Refusal
 
 FLOATS = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE)
@@ -23,17 +23,18 @@ _WIDTH = {ir.DataType.FLOAT16: 16, ir.DataType.BFLOAT16: 16, ir.DataType.FLOAT: 
 
 def mean_over(x: Pattern, name: str) -> Pattern:
     """The mean of x over some axes, kept: ReduceMean with keepdims=1, ReduceMean with keepdims=0 followed by an
-    Unsqueeze that restores the axes (``reduced_axes`` proves it), or GlobalAveragePool (tf2onnx), which is the mean
-    over every axis after the second."""
-    reduce = Op("ReduceMean", x, name=name, extra_inputs=True)
+    Unsqueeze that restores the axes (``reduced_axes`` proves it), GlobalAveragePool (tf2onnx), which is the mean
+    over every axis after the second, or a ReduceSum (its count is divided out in the normal form: ``reduced_count``
+    says by how much)."""
+    reduce = Op(("ReduceMean", "ReduceSum"), x, name=name, extra_inputs=True)
     return Either(reduce, Op("Unsqueeze", reduce, name=f"{name}_unsqueeze", extra_inputs=True),
                   Op("GlobalAveragePool", x, name=name))
 
 
-def square(d: Pattern, name: str) -> Pattern:
-    """d², written ``Pow(d, 2)`` (exponent checked by ``check_exponent``) or ``Mul(d, d)``."""
-    return Either(Op("Pow", maybe_cast(d, f"{name}_cast"), Const(f"{name}_exponent"), name=f"{name}_pow"),
-                  Op("Mul", d, d, name=f"{name}_mul"))
+def square(d: Pattern, name: str) -> tuple[Pattern, str]:
+    """d ** e, any spelling (``Pow(d, 2)``, ``Mul(d, d)``, ``d`` cast first); e is the fact ``{name}_exponent``,
+    which ``check_exponent`` proves is 2."""
+    return (maybe_cast(d, f"{name}_cast"), f"{name}_exponent")
 
 
 def kept_dims(m: Match, name: str) -> ir.Value:
@@ -45,6 +46,29 @@ def kept_dims(m: Match, name: str) -> ir.Value:
 
 def rank_of(value: ir.Value) -> int | None:
     return None if value.shape is None else len(value.shape)
+
+
+def reduced_count(m: Match, name: str) -> int:
+    """How many elements a ``mean_over`` match sums without dividing: 1 for a mean, the product of the reduced dims
+    for a ReduceSum (which must then be known)."""
+    node = m.node(name)
+    if node.op_type != "ReduceSum":
+        return 1
+    shape = node.inputs[0].shape
+    dims = [] if shape is None else [list(shape)[a] for a in reduced_axes(m, name)]
+    if shape is None or not all(isinstance(d, int) for d in dims):
+        raise Refusal("shape", f"ReduceSum '{node.name}' sums dims {dims or '?'} of unknown size: the count it must "
+                      "be divided by to be a mean is unknown")
+    return int(np.prod(dims))
+
+
+def check_mean_scale(scale: float, m: Match, name: str, what: str, check: str = "mean") -> None:
+    """``scale * reduction`` must be the mean: 1 for ReduceMean, 1/N for a ReduceSum of N elements."""
+    count = reduced_count(m, name)
+    if abs(scale * count - 1) > 1e-6:
+        node = m.node(name)
+        raise Refusal(check, f"{node.op_type} '{node.name}' of {count} element(s) is scaled by {scale:.6g}: "
+                      f"{what} needs {1 / count:.6g}")
 
 
 def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
@@ -95,12 +119,22 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
     return tuple(axes)
 
 
-def trailing_axes(axes: tuple[int, ...], node: ir.Node, others: Iterable[tuple[tuple[int, ...], ir.Node]] = ()) -> int:
-    """Number of normalized axes, after proving they are the last ones and every reduction agrees."""
-    for other_axes, other in others:
-        if other_axes != axes:
-            raise Refusal("axes", f"ReduceMean '{node.name}' reduces {list(axes)} but '{other.name}' reduces "
-                          f"{list(other_axes)}")
+def agreed_axes(m: Match, names: Iterable[str]) -> tuple[int, ...]:
+    """The axes every reduction of the norm reduces (refused when they disagree)."""
+    first, axes = None, None
+    for name in names:
+        if m.node(name) is None:
+            continue
+        found = reduced_axes(m, name)
+        if axes is not None and found != axes:
+            raise Refusal("axes", f"ReduceMean '{m.node(first).name}' reduces {list(axes)} but "
+                          f"'{m.node(name).name}' reduces {list(found)}")
+        first, axes = first or name, found
+    return axes
+
+
+def trailing_axes(axes: tuple[int, ...], node: ir.Node) -> int:
+    """Number of normalized axes, after proving they are the last ones."""
     k = len(axes)
     if list(axes) != list(range(-k, 0)):
         raise Refusal("axes", f"ReduceMean '{node.name}' reduces axes {list(axes)}, not the trailing ones")
@@ -109,6 +143,21 @@ def trailing_axes(axes: tuple[int, ...], node: ir.Node, others: Iterable[tuple[t
         # the mean of nothing: the graph gives an empty tensor, the fused kernels refuse to run
         raise Refusal("shape", f"ReduceMean '{node.name}' normalizes over an empty axis {list(shape)}")
     return k
+
+
+def channel_axis(axes: tuple[int, ...], node: ir.Node) -> int | None:
+    """The one axis a channels-first norm normalizes (axis 1 of NCHW, or any single axis after the batch axis that
+    is not the last), as a non-negative index; None when the axes are the trailing ones."""
+    rank = rank_of(node.inputs[0])
+    if len(axes) == 1 and axes[0] != -1 and rank is not None and axes[0] + rank >= 1:
+        dim = list(node.inputs[0].shape)[axes[0]]
+        if dim == 0:
+            raise Refusal("shape", f"ReduceMean '{node.name}' normalizes over an empty axis")
+        return axes[0] + rank
+    if axes and axes[-1] != -1:
+        raise Refusal("axes", f"ReduceMean '{node.name}' reduces axes {list(axes)}, not the trailing ones (nor one "
+                      "channel axis after the batch axis)")
+    return None
 
 
 def scalar(m: Match, name: str, what: str) -> float:
@@ -132,19 +181,19 @@ def scalar(m: Match, name: str, what: str) -> float:
     return float(flat[0])
 
 
-def check_exponent(m: Match, name: str, expected: float, what: str) -> None:
-    if m.value(f"{name}_exponent") is None:
-        return
-    exponent = scalar(m, f"{name}_exponent", what)
-    if exponent != expected:
-        raise Refusal(what, f"Pow '{m.node(f'{name}_pow').name}' raises to {exponent:g}, not {expected:g}")
+def check_exponent(m: Match, name: str, expected: float, what: str = "exponent") -> None:
+    exponent = m.fact(f"{name}_exponent")
+    if exponent is not None and exponent != expected:
+        raise Refusal(what, f"the square of the norm raises to {float(exponent):g}, not {expected:g}")
 
 
 def epsilon(m: Match, name: str = "eps") -> float:
-    eps = scalar(m, name, "epsilon")
-    if not eps > 0:
-        raise Refusal("epsilon", f"epsilon is {eps:g}; the fused op needs a positive epsilon")
-    if not 0 < np.float32(eps) < np.inf:
+    """Epsilon as the norm adds it: the constant times its coefficient in the normal form. Zero is exact (the fused
+    op then computes what the graph computes, NaN for constant rows included); a negative one is refused."""
+    eps = scalar(m, name, "epsilon") * float(m.fact(f"{name}_scale", 1.0))
+    if eps < 0 or not np.isfinite(eps):
+        raise Refusal("epsilon", f"epsilon is {eps:g}; the fused op needs a finite epsilon >= 0")
+    if eps > 0 and not 0 < np.float32(eps) < np.inf:
         raise Refusal("epsilon", f"epsilon {eps:g} becomes {np.float32(eps):g} in the fused op's float32 attribute")
     return eps
 
@@ -233,13 +282,15 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
         if have != want and have != 1:
             raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)}, which does not broadcast onto the "
                           f"normalized dims {target}")
+    check_laid_out(target, what)
     array = static_value(source)
     if array is not None:
         converted = _exact_astype(np.broadcast_to(array.reshape(tail if tail else []), target), dtype)
         if converted is None:
             raise Refusal("dtype", f"{what} '{value.name}' ({dtype_of(source)}) is not exactly representable "
                           f"in {dtype}")
-        if source is value and list(array.shape) == target and dtype_of(source) == dtype:
+        if source is value and value.producer() is None and list(array.shape) == target and \
+                dtype_of(source) == dtype:
             return value
         return ctx.constant(converted, f"{value.name}_{dtype.name.lower()}")
     if dtype_of(source) != dtype:
@@ -254,6 +305,40 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
     reshape.outputs[0].type = ir.TensorType(dtype)
     reshape.outputs[0].shape = ir.Shape(target)
     return reshape.outputs[0]
+
+
+#: the most elements a constant the fused op needs in full (a broadcast gamma, a unit scale) may have: a norm that
+#: wide cannot be verified within lnfuse.verify.BUDGET anyway, and a 300-byte model must not grow a gigabyte weight
+MAX_LAID_OUT = 1 << 25
+
+
+def check_laid_out(dims: list[int], what: str) -> None:
+    if int(np.prod(dims, dtype=object)) > MAX_LAID_OUT:
+        raise Refusal("size", f"the fused op would need {what} of shape {dims} written out in full, over "
+                      f"{MAX_LAID_OUT:,} elements; too large to verify, left as it is")
+
+
+def channel_param(ctx: GraphContext, value: ir.Value, x: ir.Value, axis: int, dtype: ir.DataType,
+                  what: str) -> ir.Value:
+    """gamma or beta of a channels-first norm (``w[:, None, None]``) as the [C] vector the fused op takes after the
+    channel axis is moved last: it must vary along the channel axis only."""
+    source = peel_widening_casts(value)
+    rank, array = rank_of(x), static_value(source)
+    channels = list(x.shape)[axis] if x.shape is not None else None
+    if array is None or not isinstance(channels, int):
+        raise Refusal(what, f"{what} '{value.name}' of a channels-first norm must be a constant over a channel axis "
+                      "of known size")
+    if array.ndim > rank:
+        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(array.shape)}, which raises the rank")
+    dims = [1] * (rank - array.ndim) + list(array.shape)
+    if any(d != 1 for i, d in enumerate(dims) if i != axis) or dims[axis] not in (1, channels):
+        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(array.shape)}: it does not vary along the "
+                      f"channel axis {axis} only")
+    check_laid_out([channels], what)
+    converted = _exact_astype(np.broadcast_to(array.reshape(-1), (channels,)), dtype)
+    if converted is None:
+        raise Refusal("dtype", f"{what} '{value.name}' is not exactly representable in {dtype}")
+    return ctx.constant(converted, f"{value.name}_channels")
 
 
 def _exact_astype(array: np.ndarray, dtype: ir.DataType) -> np.ndarray | None:

@@ -10,54 +10,66 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from fractions import Fraction
+
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.constants import static_value
-from lnfuse.pattern import Const, Either, Match, Op, Pattern, Var, maybe_cast
+from lnfuse.constants import is_static, static_value
+from lnfuse.pattern import Either, Match, Mono, Op, Pattern, Terms, Var, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement
-from ._common import (FLOATS, cast_target, dtype_of, is_widening, node_name, param_as, read_outside, readers_outside,
-                           scalar)
+from ._common import (FLOATS, cast_target, channel_param, check_laid_out, dtype_of, is_widening, node_name,
+                      param_as, read_outside, readers_outside)
 
 
-def inverse_std(var_eps: Pattern) -> Pattern:
-    """1 / sqrt(var + eps) in the spellings exporters write (constants checked by ``check_inverse_sqrt``)."""
-    std = Op("Sqrt", var_eps, name="std")
-    return Either(
-        Op("Reciprocal", std, name="inv_std"),
-        Op("Div", Const("one"), std, name="inv_std"),
-        Op("Pow", std, Const("minus_one"), name="inv_std"),
-        Op("Pow", var_eps, Const("minus_half"), name="inv_std"),
-    )
+# ---- the math, as monomials ----------------------------------------------------------------------------------
+# A numerator is a list of (coefficient, factor pattern, scale fact): x - mean is [(1, X, ...), (-1, MEAN, ...)]
+# when the graph distributes it, [(1, D, ...)] when it computes d once.
+Numerator = list[tuple[float, Pattern, str]]
 
 
-def normalize(d: Pattern, var_eps: Pattern) -> Pattern:
-    """d / sqrt(var + eps), as a division or a product with the inverse."""
-    return Either(
-        Op("Div", d, Op("Sqrt", var_eps, name="std"), name="normalize"),
-        Op("Div", d, Op("Pow", var_eps, Const("half"), name="std_pow"), name="normalize"),
-        Op("Mul", d, inverse_std(var_eps), name="normalize"),
-    )
+def inverse_sqrt(var_eps: Pattern) -> tuple[Pattern, str]:
+    """(var + eps) ** e: 1/sqrt, Reciprocal(Sqrt), Pow(-0.5), Div(1, Sqrt)... all reach this factor; ``check_inverse``
+    proves e = -1/2."""
+    return (var_eps, "inv_exponent")
 
 
-def affine(normalized: Pattern) -> Pattern:
-    """``cast?(cast?(normalized) [* gamma] [+ beta])``; gamma and beta are checked later by ``param_as``."""
-    n = maybe_cast(normalized, cast="cast_normalized", name="n")
-    scaled = Either(Op("Mul", n, Var("gamma"), name="mul_gamma"), n)
-    biased = Either(Op("Add", scaled, Var("beta"), name="add_beta"), scaled)
-    return maybe_cast(biased, cast="cast_out", name="y")
+def var_plus_eps(variance: Pattern, *more: Mono) -> Terms:
+    """var + eps (``eps_scale`` and ``var_scale`` receive any coefficients the graph puts on them)."""
+    return Terms(mono(1, variance, scale="var_scale"), *more, mono(1, Var("eps"), scale="eps_scale"),
+                 name="var_eps")
 
 
-_INVERSE_CONSTANTS = (("one", 1.0, "numerator"), ("minus_one", -1.0, "exponent"),
-                      ("minus_half", -0.5, "exponent"), ("half", 0.5, "exponent"))
+def normalized(numerator: Numerator, inverse: tuple[Pattern, str], *scale: Pattern) -> tuple[Mono, ...]:
+    return tuple(mono(c, leaf, inverse, *scale, scale=fact) for c, leaf, fact in numerator)
 
 
-def check_inverse_sqrt(m: Match) -> None:
-    for name, expected, what in _INVERSE_CONSTANTS:
-        if m.value(name) is not None and (found := scalar(m, name, what)) != expected:
-            node = m.node("inv_std") or m.node("std_pow")
-            raise Refusal(what, f"{node.op_type} '{node_name(node)}' uses {what} {found:g} where 1/sqrt(var + eps) "
-                          f"needs {expected:g}")
+def affine(numerators: list[Numerator], inverse: tuple[Pattern, str], beta: bool = True) -> Pattern:
+    """``cast?(n [* gamma] [+ beta])`` with ``n = numerator * (var + eps) ** -1/2``, in any order and association
+    (``gamma * d / std``, ``d * (gamma / std)``, ``x*k + (-mean*k + beta)``...), or with a Cast of n before gamma
+    (mixed precision): gamma and beta are checked later by ``param_as``."""
+    gamma, bias = Var("gamma"), mono(1, Var("beta"))
+    betas = (True, False) if beta else (False,)
+    forms = [normalized(num, inverse, *([gamma] if g else [])) + ((bias,) if b else ())
+             for g in (True, False) for b in betas for num in numerators]
+    cast = Op("Cast", Terms(*[normalized(num, inverse) for num in numerators]), name="cast_normalized")
+    cast_forms = [(mono(1, cast, gamma, scale="scale_out"),) + ((bias,) if b else ()) for b in betas] + \
+        ([(mono(1, cast, scale="scale_out"), bias)] if beta else [])
+    return maybe_cast(Either(Terms(*forms), Terms(*cast_forms), cast), cast="cast_out", name="y")
+
+
+def check_inverse(m: Match) -> None:
+    e = m.fact("inv_exponent")
+    if e is not None and e != Fraction(-1, 2):
+        raise Refusal("exponent", f"var + eps is raised to {float(e):g}, where 1/sqrt(var + eps) needs -0.5")
+
+
+def check_scales(m: Match, names: tuple[str, ...]) -> float:
+    """The common coefficient of the numerator's terms (folded into gamma)."""
+    found = [float(m.fact(n)) for n in names if m.fact(n) is not None]
+    scale = found[0] if found else 1.0
+    out = m.fact("scale_out")
+    return scale * (float(out) if out is not None else 1.0)
 
 
 def check_inner_casts(m: Match, names: tuple[str, ...]) -> None:
@@ -135,38 +147,95 @@ def _normalized_cast_ok(cast: ir.Node | None, dtype: ir.DataType) -> bool:
     return target in FLOATS and (is_widening(dtype_of(cast.inputs[0]), target) or target == dtype)
 
 
-def params(m: Match, ctx: GraphContext, b: Boundary, k: int) -> tuple[ir.Value | None, ir.Value | None]:
-    gamma = m.value("gamma") if m.node("mul_gamma") in b.region else None
-    beta = m.value("beta") if m.node("add_beta") in b.region else None
-    return (None if gamma is None else param_as(ctx, gamma, b.x, k, b.dtype, "gamma"),
-            None if beta is None else param_as(ctx, beta, b.x, k, b.dtype, "beta"))
+def params(m: Match, ctx: GraphContext, b: Boundary, k: int, scale: float = 1.0,
+           layout=param_as) -> tuple[ir.Value | None, ir.Value | None]:
+    """gamma and beta in the fused op's layout; a coefficient the normal form found on the normalized value
+    (``-x*k + mean*k``, ``0.5 * d / std``) is folded into a constant gamma."""
+    gamma, beta = m.value("gamma"), m.value("beta")
+    if abs(scale - 1) > 1e-6:
+        if gamma is not None and static_value(gamma) is None:
+            raise Refusal("gamma", f"the normalized value is scaled by {scale:g} and gamma '{gamma.name}' is "
+                          "computed at run time, so the two cannot be folded into the fused op's scale")
+        base = np.ones([1], np.float64) if gamma is None else static_value(gamma).astype(np.float64)
+        gamma = ctx.constant((base * scale).astype(b.dtype.numpy()), "lnfuse_scaled_gamma")
+    return (None if gamma is None else layout(ctx, gamma, b.x, k, b.dtype, "gamma"),
+            None if beta is None else layout(ctx, beta, b.x, k, b.dtype, "beta"))
 
 
-def ones_scale(ctx: GraphContext, x: ir.Value, k: int, dtype: ir.DataType) -> ir.Value:
-    """A norm without gamma still needs the fused op's scale input."""
-    dims = list(x.shape)[-k:] if x.shape is not None else []
-    if len(dims) != k or not all(isinstance(d, int) for d in dims):
+def scale_input(ctx: GraphContext, gamma: ir.Value | None, x: ir.Value, k: int, dtype: ir.DataType,
+                channel: int | None = None) -> ir.Value:
+    """The fused op's scale: gamma, or ones when the norm has none (of the normalized dims, or [C] for a
+    channels-first norm)."""
+    if gamma is not None:
+        return gamma
+    dims = [] if x.shape is None else [list(x.shape)[channel]] if channel is not None else list(x.shape)[-k:]
+    if len(dims) != (1 if channel is not None else k) or not all(isinstance(d, int) for d in dims):
         raise Refusal("shape", f"the normalized dims of '{x.name}' are unknown, so the unit scale cannot be made")
+    check_laid_out(dims, "a unit scale")
     return ctx.constant(np.ones(dims, dtype=dtype.numpy()), "lnfuse_unit_scale")
+
+
+def layout_params(m: Match, ctx: GraphContext, b: Boundary, k: int, scale: float, channel: int | None):
+    """gamma and beta for a norm over the trailing axes, or over one channel axis."""
+    if channel is None:
+        return params(m, ctx, b, k, scale)
+    return params(m, ctx, b, k, scale, lambda c, v, x, _k, d, w: channel_param(c, v, x, channel, d, w))
 
 
 def inverse_std_readers(m: Match, region: list[ir.Node]) -> tuple[list[ir.Value], list[ir.Node]]:
     """Values read outside the norm that hold 1/sqrt(var + eps), and the nodes absorbed to expose them.
 
-    The matched inverse may itself be read elsewhere; a Reciprocal or Div(1, std) reading std from outside is
+    An inverse in the region may itself be read elsewhere; a Reciprocal or Div(1, std) reading std from outside is
     absorbed (the ONNX function body of LayerNormalization computes InvStdDev that way).
     """
+    var_eps = m.value("var_eps")
+    stds = [n.outputs[0] for n in region if n.op_type == "Sqrt" and n.inputs[0] is var_eps]
     exposed, absorbed = [], []
-    inv = m.value("inv_std")
-    if inv is not None and read_outside(inv, region):
-        exposed.append(inv)
-    std = m.value("std")
-    for reader in readers_outside(std, region) if std is not None else []:
-        one_over = reader.op_type == "Div" and reader.inputs[1] is std and _is_one(reader.inputs[0])
-        if reader.op_type == "Reciprocal" or one_over:
-            absorbed.append(reader)
-            exposed.append(reader.outputs[0])
+    for node in region:
+        if _is_inverse_std(node, var_eps, stds) and read_outside(node.outputs[0], region):
+            exposed.append(node.outputs[0])
+    for std in stds:
+        for reader in readers_outside(std, region):
+            if _is_inverse_std(reader, var_eps, stds) and reader.op_type != "Pow":
+                absorbed.append(reader)
+                exposed.append(reader.outputs[0])
     return exposed, absorbed
+
+
+def _is_inverse_std(node: ir.Node, var_eps: ir.Value, stds: list[ir.Value]) -> bool:
+    if node.op_type == "Reciprocal":
+        return node.inputs[0] in stds
+    if node.op_type == "Div":
+        return node.inputs[1] in stds and _is_one(node.inputs[0])
+    if node.op_type == "Pow":
+        exponent = static_value(node.inputs[1]) if _is_one_element(node.inputs[1]) else None
+        return exponent is not None and ((node.inputs[0] in stds and float(exponent.reshape(-1)[0]) == -1) or
+                                         (node.inputs[0] is var_eps and float(exponent.reshape(-1)[0]) == -0.5))
+    return False
+
+
+def _is_one_element(value: ir.Value) -> bool:
+    return value.shape is not None and len(value.shape) <= 1 and all(d == 1 for d in value.shape)
+
+
+def absorb_type_reads(region: list[ir.Node]) -> list[ir.Node]:
+    """Nodes outside the region that read a region value only for its type or shape (``CastLike(eps, var)``,
+    ``Shape(d)``) and feed only the region: they go with it (the fused op needs their value, not their node)."""
+    inside = set(region)
+    added = True
+    while added:
+        added = False
+        for node in list(inside):
+            for out in node.outputs:
+                for reader, _ in out.uses():
+                    if reader in inside or not reader.outputs or not all(is_static(o) for o in reader.outputs):
+                        continue
+                    if all(user in inside for o in reader.outputs for user, _ in o.uses()) and \
+                            not any(o.is_graph_output() for o in reader.outputs):
+                        inside.add(reader)
+                        region.append(reader)
+                        added = True
+    return region
 
 
 def _is_one(value: ir.Value) -> bool:
@@ -184,6 +253,21 @@ def expose(ctx: GraphContext, fused_output: ir.Value, old: ir.Value, stash: ir.D
     cast = ctx.node("Cast", [fused_output], {"to": dtype_of(old)}, hint="lnfuse_stat")
     cast.outputs[0].type = old.type
     return cast.outputs[0]
+
+
+def channels_last(ctx: GraphContext, x: ir.Value, y: ir.Value, axis: int,
+                  fused: Callable[[ir.Value], ir.Value]) -> ir.Value:
+    """``Transpose(fused(Transpose(x)))`` with the channel axis moved last and back: a norm over axis 1 of NCHW is a
+    norm over the last axis of NHWC, exactly (runtimes fold the Transposes into their neighbours)."""
+    rank = len(x.shape)
+    perm = [i for i in range(rank) if i != axis] + [axis]
+    back = [perm.index(i) for i in range(rank)]
+    inner = ctx.node("Transpose", [x], {"perm": perm}, hint="lnfuse_channels_last")
+    inner.outputs[0].type = x.type
+    inner.outputs[0].shape = ir.Shape([list(x.shape)[i] for i in perm])
+    outer = ctx.node("Transpose", [fused(inner.outputs[0])], {"perm": back}, hint="lnfuse_channels_first")
+    outer.outputs[0].type, outer.outputs[0].shape = y.type, y.shape
+    return outer.outputs[0]
 
 
 def finish(op_type: str, domain: str, outputs: dict[ir.Value, ir.Value], region: list[ir.Node], attributes: dict,

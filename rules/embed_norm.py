@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.constants import static_value
+from lnfuse.constants import is_static, static_value
 from lnfuse.pattern import Either, Match, Op, Var, attr_value
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from ._common import dtype_of, node_name, read_outside
@@ -70,22 +70,37 @@ def reference_no_segment():
     return embed_layer_normalization_no_segment
 
 
-def _lookup(i: int) -> Op:
-    return Op("Gather", Var(f"table{i}"), Var(f"ids{i}"), name=f"gather{i}")
+def _lookup(i: int) -> Either:
+    gather = Op("Gather", Var(f"table{i}"), Var(f"ids{i}"), name=f"gather{i}")
+    # quantize_dynamic's lookup: the rows of an int8/uint8 table, dequantized after the Gather
+    return Either(Op("DequantizeLinear", gather, Var(f"scale{i}"), Var(f"zero{i}"), name=f"dq{i}"), gather)
+
+
+def _stored_constant(value: ir.Value) -> bool:
+    """An initializer or a Constant node: a term already folded, not a lookup of constant ids (whose table the rule
+    would have to read)."""
+    producer = value.producer()
+    return is_static(value) and (producer is None or producer.op_type == "Constant")
+
+
+def _term(i: int) -> Either:
+    # a static-shape export folds the position lookup of 0..S-1 into a constant [1, S, H] (or [S, H]) term
+    return Either(_lookup(i), Var(f"folded{i}", _stored_constant))
 
 
 _SUM = Either(
-    Op("Add", Op("Add", _lookup(0), _lookup(1), name="add_inner"), _lookup(2), name="add"),
-    Op("Add", _lookup(0), _lookup(1), name="add"),
+    Op("Add", Op("Add", _term(0), _term(1), name="add_inner"), _term(2), name="add"),
+    Op("Add", _term(0), _term(1), name="add"),
 )
 
 
 @dataclass
 class _Lookup:
-    gather: ir.Node
+    gather: ir.Node | None  # None for a position term folded to a constant
     table: ir.Value
     ids: ir.Value
     kind: str  # "arange" (0..S-1), "row" ((1,S) ids), "full" ((B,S) ids), or "" (none of these)
+    dequantized: bool = False  # the table is an int8/uint8 table dequantized per tensor
 
 
 class EmbedNorm(Rule):
@@ -107,7 +122,11 @@ class EmbedNorm(Rule):
         if dtype not in _KERNEL_DTYPES or not isinstance(hidden, int):
             raise Refusal("dtype", f"the kernel takes float32/float16 with a known hidden size, not {dtype} "
                           f"[..., {hidden}]")
-        lookups = [_classify(m, i) for i in range(3) if m.node(f"gather{i}") is not None]
+        lookups = [_classify(m, i, ctx) for i in range(3) if m.node(f"gather{i}") is not None]
+        folded = [m.value(f"folded{i}") for i in range(3) if m.value(f"folded{i}") is not None]
+        if len(folded) > 1:
+            raise Refusal("terms", "the embedding sum has more than one constant term")
+        lookups += [_folded_positions(ctx, value, s) for value in folded]
         word, position, segment = _roles(lookups)
         for lookup in lookups:
             _check_table(lookup, hidden, dtype)
@@ -142,18 +161,39 @@ class EmbedNorm(Rule):
                           "embedding_sum output")
         for old, new in outputs.items():
             new.type, new.shape = old.type, old.shape
-        # a lookup that something else also reads (two blocks sharing one word lookup) stays for that reader: the
-        # kernel looks the rows up again itself
-        shared = {lk.gather for lk in lookups if read_outside(lk.gather.outputs[0], m.nodes)}
         return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
-                           region=[n for n in m.nodes if n not in shared], attributes={"epsilon": epsilon},
-                           opset_imports={"com.microsoft": 1})
+                           region=_region(m), attributes={"epsilon": epsilon}, opset_imports={"com.microsoft": 1},
+                           notes=_quantized_note(lookups, op_type))
+
+
+def _region(m: Match) -> list[ir.Node]:
+    """The matched nodes, less any lookup (or its dequantization) that something else also reads: two blocks
+    sharing one word lookup keep it for that reader, and the kernel looks the rows up again itself."""
+    region = list(m.nodes)
+    while True:
+        kept = [n for n in region if n.op_type in ("Gather", "DequantizeLinear")
+                and any(read_outside(v, region) for v in n.outputs)]
+        if not kept:
+            return region
+        region = [n for n in region if n not in kept]
+
+
+def _quantized_note(lookups: list[_Lookup], op_type: str) -> list[str]:
+    if op_type != "EmbedLayerNormalization" or not any(lk.dequantized for lk in lookups):
+        return []
+    return ["the int8/uint8 tables are read through DequantizeLinear (exact: a per-tensor dequantization commutes "
+            "with the lookup); QEmbedLayerNormalization is not written because it takes gamma and beta quantized "
+            "and they are float here; --quantize-embeddings writes it, with the measured difference"]
 
 
 def _new_nodes(fused: ir.Node) -> list[ir.Node]:
-    casts = [v.producer() for v in fused.inputs if v is not None and v.producer() is not None
-             and v.producer().graph is None]
-    return casts + [fused]
+    """The fused node and what was made for it: Casts of the ids and dequantizations of quantized tables."""
+    made = []
+    for value in fused.inputs:
+        producer = value.producer() if value is not None else None
+        if producer is not None and producer.graph is None:
+            made.append(producer)
+    return made + [fused]
 
 
 def _same_dim(a, b) -> bool:
@@ -162,9 +202,12 @@ def _same_dim(a, b) -> bool:
     return a is not None and b is not None and a.value is not None and a.value == b.value
 
 
-def _classify(m: Match, i: int) -> _Lookup:
+def _classify(m: Match, i: int, ctx: GraphContext) -> _Lookup:
     gather = m.node(f"gather{i}")
     table, ids = m.value(f"table{i}"), m.value(f"ids{i}")
+    dq = m.node(f"dq{i}")
+    if dq is not None:
+        table = _dequantize_table(ctx, dq, table)
     if attr_value(gather, "axis", 0) != 0:
         raise Refusal("gather", f"Gather '{node_name(gather)}' gathers along axis {attr_value(gather, 'axis')}")
     if dtype_of(ids) not in _INDEX_TYPES or ids.shape is None:
@@ -186,7 +229,81 @@ def _classify(m: Match, i: int) -> _Lookup:
         kind = "arange"
     elif len(dims) == 1 and _same_dim(dims[0], s[1]) and _is_arange(ids):
         kind = "arange"
-    return _Lookup(gather, table, ids, kind)
+    elif len(dims) == 2 and dims[0] == 1 and _is_arange(ids) and _sliced_to(ids, s[1]):
+        # buffer[:, :S] with S read from another input's shape (transformers' dynamo exports): its length is
+        # min(rows, S), which is S wherever the graph runs (else the Add cannot broadcast), so it is 0..S-1
+        kind = "arange"
+    return _Lookup(gather, table, ids, kind, dequantized=dq is not None)
+
+
+def _folded_positions(ctx: GraphContext, value: ir.Value, s: ir.Value) -> _Lookup:
+    """A constant term P of shape [S, H], [1, S, H] or [B, S, H] with B equal rows, added to a sum of the sum's own
+    (fixed) shape, is the lookup of rows 0..S-1 of the table P[..., :, :] (the kernel's default positions). The
+    shape must be the sum's own: a constant that broadcasts the ids' batch or sequence would not be a lookup."""
+    array = value.const_value.numpy() if value.const_value is not None else static_value(value)
+    dims = list(s.shape)
+    if array is None or array.ndim not in (2, 3) or list(array.shape[-2:]) != dims[1:] or \
+            (array.ndim == 3 and array.shape[0] not in (1, dims[0])):
+        raise Refusal("terms", f"the constant term '{value.name}' of the embedding sum is not a position term of "
+                      f"the sum's shape {dims}")
+    rows = array.reshape(-1, *array.shape[-2:])
+    if not np.array_equal(rows, np.broadcast_to(rows[:1], rows.shape)):
+        raise Refusal("terms", f"the constant term '{value.name}' differs between batch rows; it is not a lookup")
+    table = ctx.constant(np.ascontiguousarray(rows[0]), f"{value.name}_as_positions")
+    return _Lookup(None, table, table, "arange")
+
+
+def _dequantize_table(ctx: GraphContext, dq: ir.Node, table: ir.Value) -> ir.Value:
+    """DequantizeLinear(Gather(q, ids)) = Gather(DequantizeLinear(q), ids) when the scale and zero point are one
+    number each: the table the kernel reads is the dequantized table, a constant subgraph ORT folds at load."""
+    scale, zero = dq.inputs[1], dq.inputs[2]
+    if any(v is None or v.shape is None or any(d != 1 for d in v.shape) for v in (scale, zero)) or \
+            attr_value(dq, "block_size", 0):
+        raise Refusal("quantized", f"DequantizeLinear '{node_name(dq)}' after a lookup is not per tensor; only a "
+                      "per-tensor dequantization commutes with the lookup")
+    node = ctx.node("DequantizeLinear", [table, scale, zero], {}, hint=f"{table.name}_dequantized")
+    node.outputs[0].type = ir.TensorType(dtype_of(scale))
+    node.outputs[0].shape = table.shape
+    return node.outputs[0]
+
+
+def _sliced_to(ids: ir.Value, seq) -> bool:
+    """``ids`` is a Slice whose end is the sequence length ``seq``, read from the shape of a tensor."""
+    node = ids.producer()
+    while node is not None and node.op_type in ("Cast", "Identity"):
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "Slice" or len(node.inputs) < 3:
+        return False
+    return _is_dim_of(node.inputs[2], seq)
+
+
+def _is_dim_of(value: ir.Value, dim, depth: int = 0) -> bool:
+    """``value`` holds one number, provably the size ``dim``: Shape(t)[i:i+1], Gather(Shape(t), i), possibly
+    Cast, Unsqueezed or Reshaped, of a tensor t whose axis i is ``dim``."""
+    node = value.producer()
+    if node is None or depth > 4:
+        return False
+    if node.op_type in ("Cast", "Identity", "Unsqueeze", "Reshape", "Squeeze"):
+        return _is_dim_of(node.inputs[0], dim, depth + 1)
+    if node.op_type == "Gather" and node.inputs[0].producer() is not None:
+        shape_node, index = node.inputs[0].producer(), static_value(node.inputs[1])
+        if shape_node.op_type != "Shape" or index is None or index.size != 1 or len(shape_node.attributes):
+            return False
+        return _axis_is(shape_node.inputs[0], int(index.reshape(-1)[0]), dim)
+    if node.op_type == "Shape":
+        source = node.inputs[0]
+        if source.shape is None:
+            return False
+        rank = len(source.shape)
+        start, end = attr_value(node, "start", 0), attr_value(node, "end", rank)
+        start, end = start + rank if start < 0 else start, min(end + rank if end < 0 else end, rank)
+        return end - start == 1 and _axis_is(source, start, dim)
+    return False
+
+
+def _axis_is(value: ir.Value, axis: int, dim) -> bool:
+    shape = value.shape
+    return shape is not None and -len(shape) <= axis < len(shape) and _same_dim(shape[axis], dim)
 
 
 def _is_arange(ids: ir.Value, depth: int = 0) -> bool:

@@ -12,12 +12,14 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.constants import static_value
-from lnfuse.pattern import Either, Match, Op, Var, maybe_cast
+from lnfuse.pattern import Either, Match, Op, Terms, Var, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
-from ._common import (FLOATS, check_epsilon_fits, check_exponent, epsilon, kept_dims, mean_over, node_name, param_as, read_outside,
-                           rank_of, readers_outside, reduced_axes, square, trailing_axes)
-from ._norm import (Boundary, affine, first_placement, check_inner_casts, check_inverse_sqrt, expose, finish, stash_type,
-                         inverse_std, inverse_std_readers, normalize, ones_scale, params)
+from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
+                      check_mean_scale, epsilon, kept_dims, mean_over, node_name, param_as, rank_of, read_outside,
+                      readers_outside, square, trailing_axes)
+from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
+                    expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
+                    stash_type, var_plus_eps)
 
 
 @functools.cache
@@ -44,64 +46,73 @@ def reference():
 
 
 # ---- the math, as patterns --------------------------------------------------------------------------------------
+# y = (x - mean) * (var + eps) ** -1/2 * gamma + beta, matched on the normal form (``lnfuse.algebra``): any order,
+# association and sign of the products and sums below reaches the same monomials.
 X = maybe_cast(Var("x_in"), cast="cast_in", name="x")
 MEAN = mean_over(X, "mean")
-D = Op("Sub", X, MEAN, name="d")
-D_NUM = maybe_cast(D, cast="d_cast", name="d_num")
-VARIANCE = Either(
-    mean_over(square(D, "sq"), "var"),
+# x - mean computed once (it is read by the square too); under the square its sign does not matter
+D = Terms(mono(1, X, scale="d_x"), mono(-1, MEAN, scale="d_mean"))
+D_SQUARED = Terms(mono(1, X, scale="dsq_x"), mono(-1, MEAN, scale="dsq_mean"), either_sign=True)
+VAR_EPS = Either(
+    var_plus_eps(mean_over(Terms(mono(1, square(D_SQUARED, "sq"))), "var")),
     # E[x²] - E[x]²: the ONNX function body of LayerNormalization
-    Op("Sub", mean_over(square(X, "xsq"), "var"), square(MEAN, "msq"), name="var_sub"),
+    var_plus_eps(mean_over(Terms(mono(1, square(X, "xsq"))), "var"),
+                 mono(-1, square(MEAN, "msq"), scale="msq_scale")),
 )
-VAR_EPS = Op("Add", VARIANCE, Var("eps"), name="add_eps")
-NORMALIZED = normalize(D_NUM, VAR_EPS)
-STANDARD = affine(NORMALIZED)
+INVERSE = inverse_sqrt(VAR_EPS)
+NUMERATORS = [[(1, maybe_cast(D, cast="d_cast", name="d_num"), "scale_x")],
+              # tf2onnx/Keras distributes: x*k + (-mean*k + beta), k = gamma / sqrt(var + eps)
+              [(1, X, "scale_x"), (-1, MEAN, "scale_mean")]]
+STANDARD = affine(NUMERATORS, INVERSE)
 # the ONNX function body works on Flatten(X, axis) and reshapes back: Reshape(norm2d, Shape(X))
 UNFLATTENED = Op("Reshape", STANDARD, Var("x_shape"), name="unflatten")
-# tf2onnx/Keras folds the affine: x*k + (beta - mean*k) with k = gamma / sqrt(var + eps)
-_INV = inverse_std(VAR_EPS)
-# both products must use the same k (named, so the second use must be the very value the first one matched)
-_K = Either(Op("Mul", _INV, Var("gamma"), name="mul_gamma"), _INV, name="k")
-FOLDED = maybe_cast(Either(
-    Op("Add", Op("Mul", X, _K, name="x_k"), Op("Sub", Var("beta"), Op("Mul", MEAN, _K, name="mean_k"),
-                                              name="shift"), name="add_beta"),
-    Op("Sub", Op("Mul", X, _K, name="x_k"), Op("Mul", MEAN, _K, name="mean_k"), name="shift"),
-), cast="cast_out", name="y")
 
 
 class LayerNorm(Rule):
     name = "layer_norm"
-    anchors = frozenset({"ReduceMean", "GlobalAveragePool"})
-    patterns = (UNFLATTENED, STANDARD, FOLDED)
+    anchors = frozenset({"ReduceMean", "ReduceSum", "GlobalAveragePool"})
+    patterns = (UNFLATTENED, STANDARD)
     near_misses = (
         (Op("Div", Op("Sub", Var("x"), mean_over(Var("x"), "mean")),
             Op("Add", Op("Sqrt", mean_over(Var("sq"), "var")), Var("eps"))), "epsilon",
          "epsilon is added outside the square root: (x - mean) / (sqrt(var) + eps)"),
-        (Op("Sub", mean_over(Var("x"), "mean"), Var("x")), "operands",
+        (Op("Div", Op("Sub", mean_over(Var("x"), "mean"), Var("x")), Var("std")), "operands",
          "Sub computes mean - x (operands swapped)"),
         (Op("Div", Op("Sqrt", Op("Add", mean_over(Var("sq"), "var"), Var("eps"))),
             Op("Sub", Var("x"), mean_over(Var("x"), "mean"))), "operands",
          "Div computes sqrt(var + eps) / (x - mean) (operands swapped)"),
+        # the statistics without the formula around them (another tensor's mean, another power...)
+        (VAR_EPS, "formula", "var + eps of a centred value is computed, but nothing computes (x - mean) * "
+         "(var + eps) ** -1/2 from it"),
     )
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
-        k = trailing_axes(reduced_axes(m, "mean"), m.node("mean"), [(reduced_axes(m, "var"), m.node("var"))])
+        axes = agreed_axes(m, ("mean", "var"))
+        channel = channel_axis(axes, m.node("mean"))
+        k = 1 if channel is not None else trailing_axes(axes, m.node("mean"))
+        check_centring(m)
         eps = epsilon(m)
         for name in ("sq", "xsq", "msq"):
-            check_exponent(m, name, 2.0, "exponent")
-        check_inverse_sqrt(m)
+            check_exponent(m, name, 2.0)
+        check_inverse(m)
         check_inner_casts(m, ("sq_cast", "xsq_cast", "msq_cast", "d_cast"))
-        return first_placement(m, lambda b: self._write(m, ctx, b, k, eps))
+        scale = check_scales(m, ("scale_x",)) * float(m.fact("d_x", 1.0))
+        if scale < 0:
+            raise Refusal("operands", "the normalized value is negated: Sub computes mean - x (operands swapped)")
+        return first_placement(m, lambda b: self._write(m, ctx, b, k, eps, scale, channel))
 
-    def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float) -> Replacement:
+    def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float, scale: float,
+               channel: int | None) -> Replacement:
         op_type = _choose_op(ctx, b.dtype)
         check_epsilon_fits(eps, b.dtype)
-        region = list(b.region)
+        region = absorb_type_reads(list(b.region))
         x, y = b.x, b.y
         if m.node("unflatten") is not None:
+            if abs(scale - 1) > 1e-6:
+                raise Refusal("gamma", f"the flattened norm is scaled by {scale:g}")
             x, y, k, gamma, beta = _unflatten(m, ctx, b)
         else:
-            gamma, beta = params(m, ctx, b, k)
+            gamma, beta = layout_params(m, ctx, b, k, scale, channel)
         mean = kept_dims(m, "mean")
         exposed_mean = [mean] if read_outside(mean, region) else []
         exposed_inv, absorbed = inverse_std_readers(m, region)
@@ -110,15 +121,28 @@ class LayerNorm(Rule):
         if flattened:
             _only_reshaped(exposed_mean + exposed_inv, region)
         n_out = 3 if exposed_inv else 2 if exposed_mean else 1
-        scale = gamma if gamma is not None else ones_scale(ctx, x, k, b.dtype)
+        if channel is not None and n_out > 1:
+            raise Refusal("intermediate", "the statistics of a channels-first norm are read elsewhere, and the fused "
+                          "op computes them in the transposed layout")
+        scale_in = scale_input(ctx, gamma, x, k, b.dtype, channel)
         stash = stash_type(b.dtype)
         if n_out > 1 and stash != ir.DataType.FLOAT:
             raise Refusal("dtype", "LayerNormalization's Mean/InvStdDev are float or bfloat16, and these statistics "
                           f"are {b.dtype}")
         attrs = {"axis": -k, "epsilon": eps, "stash_type": stash.value}
-        fused = ctx.node(op_type, [x, scale] + ([beta] if beta is not None else []), attrs, num_outputs=n_out,
-                         hint=node_name(m.node("mean")))
-        fused.outputs[0].type, fused.outputs[0].shape = y.type, y.shape
+        hint = node_name(m.node("mean"))
+
+        def norm(source: ir.Value) -> ir.Node:
+            fused = ctx.node(op_type, [source, scale_in] + ([beta] if beta is not None else []), attrs,
+                             num_outputs=n_out, hint=hint)
+            fused.outputs[0].type, fused.outputs[0].shape = y.type, source.shape
+            return fused
+
+        if channel is not None:
+            outputs = {y: channels_last(ctx, x, y, channel, lambda t: norm(t).outputs[0])}
+            return finish(op_type, "", outputs, region, {"axis": channel, "epsilon": eps, "layout": "channels-first"})
+        fused = norm(x)
+        fused.outputs[0].shape = y.shape
         outputs = {y: fused.outputs[0]}
         for i in range(1, n_out):
             fused.outputs[i].type = ir.TensorType(stash)
@@ -129,6 +153,22 @@ class LayerNorm(Rule):
                 stat = _as_2d(ctx, fused.outputs[index]) if flattened else fused.outputs[index]
                 outputs[old] = expose(ctx, stat, old, stash)
         return finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
+
+
+def check_centring(m: Match) -> None:
+    """x - mean must subtract the mean itself: a ReduceSum divided by the count of what it sums, and the same
+    coefficient on x and on the mean (``x - 0.9 * mean`` is not centred)."""
+    for x_fact, mean_fact, what in (("d_x", "d_mean", "the centred value"), ("dsq_x", "dsq_mean", "the squared "
+                                    "deviation"), ("scale_x", "scale_mean", "the normalized value")):
+        if m.fact(mean_fact) is None:
+            continue
+        x_scale = float(m.fact(x_fact))
+        if x_fact == "dsq_x" and abs(abs(x_scale) - 1) > 1e-6:
+            raise Refusal("mean", f"{what} scales x by {x_scale:g}")
+        check_mean_scale(float(m.fact(mean_fact)) / x_scale, m, "mean", f"{what} (x - mean)")
+    check_mean_scale(float(m.fact("var_scale", 1.0)), m, "var", "the variance", "variance")
+    if m.fact("msq_scale") is not None:
+        check_mean_scale(float(m.fact("msq_scale")) ** 0.5, m, "mean", "the squared mean")
 
 
 def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> str:
@@ -157,8 +197,7 @@ def _unflatten(m: Match, ctx: GraphContext, b: Boundary):
     if k < 1:
         raise Refusal("axes", f"Flatten '{flatten.name}' leaves no axis to normalize")
     b2 = Boundary(x_nd, m.value("unflatten"), b.dtype, b.region)
-    gamma = m.value("gamma") if m.node("mul_gamma") is not None else None
-    beta = m.value("beta") if m.node("add_beta") is not None else None
+    gamma, beta = m.value("gamma"), m.value("beta")
     return (x_nd, b2.y, k, _flat_param(ctx, gamma, x_nd, k, b.dtype, "gamma"),
             _flat_param(ctx, beta, x_nd, k, b.dtype, "beta"))
 

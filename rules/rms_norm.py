@@ -10,11 +10,13 @@ import functools
 
 import onnx_ir as ir
 
-from lnfuse.pattern import Match, Op, Var, maybe_cast
+from lnfuse.pattern import Match, Terms, Var, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
-from ._common import FLOATS, check_epsilon_fits, check_exponent, epsilon, mean_over, node_name, reduced_axes, square, trailing_axes
-from ._norm import (Boundary, affine, first_placement, check_inner_casts, check_inverse_sqrt, expose, finish, stash_type,
-                         inverse_std_readers, normalize, ones_scale, params)
+from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
+                      check_mean_scale, epsilon, mean_over, node_name, square, trailing_axes)
+from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
+                    expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
+                    stash_type, var_plus_eps)
 
 
 @functools.cache
@@ -37,43 +39,58 @@ def reference():
     return rms_normalization
 
 
+# y = x * (mean(x²) + eps) ** -1/2 * gamma, matched on the normal form (``lnfuse.algebra``)
 X = maybe_cast(Var("x_in"), cast="cast_in", name="x")
-VAR_EPS = Op("Add", mean_over(square(X, "sq"), "var"), Var("eps"), name="add_eps")
-PATTERN = affine(normalize(maybe_cast(X, cast="d_cast", name="d_num"), VAR_EPS))
+VAR_EPS = var_plus_eps(mean_over(Terms(mono(1, square(X, "sq"))), "var"))
+PATTERN = affine([[(1, maybe_cast(X, cast="d_cast", name="d_num"), "scale_x")]], inverse_sqrt(VAR_EPS), beta=False)
 
 
 class RmsNorm(Rule):
     name = "rms_norm"
-    anchors = frozenset({"ReduceMean", "GlobalAveragePool"})
+    anchors = frozenset({"ReduceMean", "ReduceSum", "GlobalAveragePool"})
     patterns = (PATTERN,)
+    near_misses = ((VAR_EPS, "formula", "mean(x²) + eps is computed, but nothing computes x * (mean(x²) + eps) ** "
+                    "-1/2 from it"),)
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
-        k = trailing_axes(reduced_axes(m, "var"), m.node("var"))
+        axes = agreed_axes(m, ("var",))
+        channel = channel_axis(axes, m.node("var"))
+        k = 1 if channel is not None else trailing_axes(axes, m.node("var"))
+        check_mean_scale(float(m.fact("var_scale", 1.0)), m, "var", "the mean square", "variance")
         eps = epsilon(m)
-        check_exponent(m, "sq", 2.0, "exponent")
-        check_inverse_sqrt(m)
+        check_exponent(m, "sq", 2.0)
+        check_inverse(m)
         check_inner_casts(m, ("sq_cast", "d_cast"))
-        if m.node("add_beta") is not None:
-            raise Refusal("bias", "RMS normalization has no bias input; the Add stays outside")
-        return first_placement(m, lambda b: self._write(m, ctx, b, k, eps))
+        scale = check_scales(m, ("scale_x",))
+        return first_placement(m, lambda b: self._write(m, ctx, b, k, eps, scale, channel))
 
-    def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float) -> Replacement:
+    def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float, scale: float,
+               channel: int | None) -> Replacement:
         op_type = _choose_op(ctx, b.dtype)
         check_epsilon_fits(eps, b.dtype)
-        region = list(b.region)
-        gamma, _ = params(m, ctx, b, k)
+        region = absorb_type_reads(list(b.region))
+        gamma, _ = layout_params(m, ctx, b, k, scale, channel)
         exposed_inv, absorbed = inverse_std_readers(m, region)
-        if exposed_inv and op_type == "RMSNormalization":
+        if exposed_inv and (op_type == "RMSNormalization" or channel is not None):
             raise Refusal("intermediate", f"'{exposed_inv[0].name}' (1/rms) is read elsewhere and "
-                          "RMSNormalization does not output it")
+                          f"{op_type} does not output it here")
         region += absorbed
-        scale = gamma if gamma is not None else ones_scale(ctx, b.x, k, b.dtype)
+        scale_in = scale_input(ctx, gamma, b.x, k, b.dtype, channel)
         attrs = {"axis": -k, "epsilon": eps, "stash_type": stash_type(b.dtype).value}
         if exposed_inv and stash_type(b.dtype) != ir.DataType.FLOAT:
             raise Refusal("dtype", f"the inverse RMS of {b.dtype} statistics cannot be exposed as float")
-        fused = ctx.node(op_type, [b.x, scale], attrs, num_outputs=2 if exposed_inv else 1,
-                         hint=node_name(m.node("var")))
-        fused.outputs[0].type, fused.outputs[0].shape = b.y.type, b.y.shape
+
+        def norm(source: ir.Value) -> ir.Node:
+            fused = ctx.node(op_type, [source, scale_in], attrs, num_outputs=2 if exposed_inv else 1,
+                             hint=node_name(m.node("var")))
+            fused.outputs[0].type, fused.outputs[0].shape = b.y.type, source.shape
+            return fused
+
+        if channel is not None:
+            outputs = {b.y: channels_last(ctx, b.x, b.y, channel, lambda t: norm(t).outputs[0])}
+            return finish(op_type, "", outputs, region, {"axis": channel, "epsilon": eps, "layout": "channels-first"})
+        fused = norm(b.x)
+        fused.outputs[0].shape = b.y.shape
         outputs = {b.y: fused.outputs[0]}
         for old in exposed_inv:
             fused.outputs[1].type = ir.TensorType(ir.DataType.FLOAT)

@@ -5,6 +5,10 @@ SkipLayerNormalization computes ``s = input + skip + bias; y = LayerNorm(s) * ga
 SkipSimplifiedLayerNormalization is the same with RMS normalization and no beta. These rules consume the norms
 the layer_norm and rms_norm rules wrote (or that the exporter wrote).
 
+The kernels take 2-D or 3-D input. A norm over the last axis of a rank-4 sum ([B, H, W, C]: Swin, ViTDet, SAM)
+treats every position alike, so the same kernel runs on the sum seen as [B, H·W, C] (a Reshape that keeps the last
+axis and the batch), and its results are reshaped back: exactly the same numbers.
+
 Ascend ATB's LayerNormOperation maps here: POSTNORM (norm(x + residual)) is SkipLayerNormalization; PRENORM (the
 same, plus the sum as a second output) is SkipLayerNormalization with output 3.
 """
@@ -13,11 +17,12 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import onnx_ir as ir
 
 from lnfuse.pattern import Either, Match, Op, Var, attr_value
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
-from ._common import dtype_of, node_name, read_outside
+from ._common import dtype_of, node_name, rank_of, read_outside
 
 _KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _LAYER = ("LayerNormalization",)
@@ -93,6 +98,9 @@ class SkipNorm(Rule):
         _check_norm(norm, s)
         if reshape is not None:
             _check_norm(norm, norm.inputs[0])
+            if rank_of(s) == 4:
+                raise Refusal("shape", f"the residual sum '{s.name}' has rank 4 and is reshaped before the norm; "
+                              "the kernel takes 2-D or 3-D input")
         h = _hidden(s)
         if reshape is not None and _hidden(norm.inputs[0]) != h:
             raise Refusal("shape", f"Reshape '{node_name(reshape)}' changes the last axis ({h} to "
@@ -104,8 +112,10 @@ class SkipNorm(Rule):
         beta = None if rms or len(norm.inputs) < 3 or norm.inputs[2] is None else \
             _vector(norm.inputs[2], h, dtype, "beta")
         bias = _vector(m.value("bias"), h, dtype, "bias") if m.value("bias") is not None else None
-        x, skip = _input_and_skip(m.value("a"), m.value("b"), s)
+        full_x, skip = _input_and_skip(m.value("a"), m.value("b"), s)
         region = [n for n in m.nodes]
+        flat = rank_of(s) == 4
+        x, skip, before = _flattened(ctx, full_x, skip, h, node_name(norm)) if flat else (full_x, skip, [])
         epsilon = attr_value(norm, "epsilon", 1e-5)
         inputs = [x, skip, gamma] + ([] if rms else [beta]) + [bias]
         while inputs and inputs[-1] is None:
@@ -117,16 +127,18 @@ class SkipNorm(Rule):
         stats = [(1, 1), (2, 2)] if not rms else [(1, 2)]
         for old_index, new_index in stats:
             if len(norm.outputs) > old_index and read_outside(norm.outputs[old_index], region):
-                if reshape is not None:
-                    raise Refusal("outputs", f"the statistics of '{node_name(norm)}' are read, in the shape "
-                                  "after the Reshape")
+                if reshape is not None or flat:
+                    raise Refusal("outputs", f"the statistics of '{node_name(norm)}' are read, in a shape the "
+                                  "kernel does not write")
                 outputs[norm.outputs[old_index]] = fused.outputs[new_index]
         if read_outside(s, region):
             outputs[s] = fused.outputs[3]
         for old, new in outputs.items():
             new.type, new.shape = old.type, old.shape
         used = set(outputs.values())
-        nodes = [fused]
+        nodes = before + [fused]
+        if flat:
+            nodes += _unflattened(ctx, fused, outputs, s, full_x, node_name(norm))
         if reshape is not None:
             for old, new in ((norm.outputs[0], fused.outputs[0]), (reshape.outputs[0], fused.outputs[3])):
                 if old is norm.outputs[0] or read_outside(old, region):
@@ -145,9 +157,10 @@ class SkipNorm(Rule):
 
 
 def _check_norm(norm: ir.Node, s: ir.Value) -> None:
-    rank = None if s.shape is None else len(s.shape)
-    if rank not in (2, 3):
-        raise Refusal("shape", f"the residual sum '{s.name}' has rank {rank}; the kernel takes 2-D or 3-D input")
+    rank = rank_of(s)
+    if rank not in (2, 3, 4):
+        raise Refusal("shape", f"the residual sum '{s.name}' has rank {rank}; the kernel takes 2-D or 3-D input "
+                      "(and rank 4 seen as [B, H·W, C])")
     axis = attr_value(norm, "axis", -1)
     if axis not in (-1, rank - 1):
         raise Refusal("axes", f"{norm.op_type} '{node_name(norm)}' normalizes from axis {axis}; the kernel "
@@ -183,10 +196,79 @@ def _input_and_skip(a: ir.Value, b: ir.Value, s: ir.Value) -> tuple[ir.Value, ir
         if x.shape is None or list(x.shape) != full or skip.shape is None or dtype_of(skip) != dtype_of(x):
             continue
         dims = list(skip.shape)
-        if dims == full or (len(full) == 3 and dims in ([1] + full[1:], full[1:])):
+        if dims == full or (len(full) >= 3 and dims in ([1] + full[1:], full[1:])):
             return x, skip
     raise Refusal("shape", f"the addends of '{s.name}' have shapes {_shape(a)} and {_shape(b)}; the kernel needs "
                   f"one of shape {full} and the other {full}, [1, S, H] or [S, H]")
+
+
+def _flattened(ctx: GraphContext, x: ir.Value, skip: ir.Value, c: int,
+               hint: str) -> tuple[ir.Value, ir.Value, list[ir.Node]]:
+    """x [B, H, W, C] as [B, H·W, C], and skip ([B, H, W, C], [1, H, W, C] or [H, W, C]) in the layout the kernel
+    broadcasts the same way ([B, H·W, C], [1, H·W, C] or [H·W, C]).
+
+    x's target keeps B with a 0 (copy the input's dim) and states H·W when H and W are known; otherwise H·W is
+    computed from x's shape (a -1 would be ambiguous for an empty batch). The skip's -1 is always determined: the
+    other dims multiply to C or 1·C."""
+    if c == 0:
+        raise Refusal("shape", f"'{x.name}' has an empty last axis")
+    nodes: list[ir.Node] = []
+    _b, height, width, _c = x.shape
+    if isinstance(height, int) and isinstance(width, int):
+        target = ctx.constant(np.array([0, height * width, c], np.int64), f"{hint}/flat_shape")
+        spatial = height * width
+    else:
+        shape = ctx.node("Shape", [x], hint=hint)
+        b = ctx.node("Slice", [shape.outputs[0], _ints(ctx, [0], hint), _ints(ctx, [1], hint)], hint=hint)
+        hw = ctx.node("Slice", [shape.outputs[0], _ints(ctx, [1], hint), _ints(ctx, [3], hint)], hint=hint)
+        prod = ctx.node("ReduceProd", [hw.outputs[0]], {"keepdims": 1}, hint=hint)
+        concat = ctx.node("Concat", [b.outputs[0], prod.outputs[0], _ints(ctx, [c], hint)], {"axis": 0}, hint=hint)
+        nodes += [shape, b, hw, prod, concat]
+        target = concat.outputs[0]
+        spatial = None
+    flat_x = _reshape(ctx, x, target, [x.shape[0], spatial, c], hint)
+    nodes.append(flat_x.producer())
+    skip_dims = list(skip.shape)
+    if len(skip_dims) == 4 and skip_dims == list(x.shape):
+        flat_skip = _reshape(ctx, skip, target, [x.shape[0], spatial, c], hint)
+    elif len(skip_dims) == 4:  # [1, H, W, C]
+        flat_skip = _reshape(ctx, skip, _ints(ctx, [1, -1, c], hint), [1, spatial, c], hint)
+    else:  # [H, W, C]
+        flat_skip = _reshape(ctx, skip, _ints(ctx, [-1, c], hint), [spatial, c], hint)
+    nodes.append(flat_skip.producer())
+    return flat_x, flat_skip, nodes
+
+
+def _unflattened(ctx: GraphContext, fused: ir.Node, outputs: dict[ir.Value, ir.Value], s: ir.Value,
+                 x: ir.Value, hint: str) -> list[ir.Node]:
+    """The kernel's results ([B, H·W, C]: output 0, and the sum as output 3 when it is read) back in the sum's
+    shape, which is x's (the full-shape addend): static when every dim is known, else read from x."""
+    if all(isinstance(d, int) for d in s.shape):
+        back = ctx.constant(np.array(list(s.shape), np.int64), f"{hint}/shape")
+        nodes = []
+    else:
+        shape = ctx.node("Shape", [x], hint=hint)
+        back, nodes = shape.outputs[0], [shape]
+    flat_shape = list(fused.inputs[0].shape)
+    for old, new in list(outputs.items()):
+        new.type, new.shape = old.type, ir.Shape(flat_shape)
+        restored = _reshape(ctx, new, back, list(s.shape), hint)
+        restored.type = old.type
+        outputs[old] = restored
+        nodes.append(restored.producer())
+    return nodes
+
+
+def _reshape(ctx: GraphContext, value: ir.Value, target: ir.Value, dims: list, hint: str) -> ir.Value:
+    node = ctx.node("Reshape", [value, target], hint=hint)
+    out = node.outputs[0]
+    out.type = value.type
+    out.shape = ir.Shape([d if d is not None else ir.SymbolicDim(None) for d in dims])
+    return out
+
+
+def _ints(ctx: GraphContext, values: list[int], hint: str) -> ir.Value:
+    return ctx.constant(np.array(values, np.int64), f"{hint}/shape")
 
 
 def _shape(value: ir.Value):

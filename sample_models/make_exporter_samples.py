@@ -366,8 +366,8 @@ class _SparseWeights:
         self._offset += size + (-size) % 4096  # page-aligned, as onnx writes external data
         with open(self._data_path, "ab") as f:
             f.truncate(self._offset)
-        return ir.ExternalTensor(self._data_path.name, offset, size, ir.DataType.from_numpy(dtype), shape=ir.Shape(shape),
-                                 name=f"w{offset}", base_dir=self._data_path.parent)
+        return ir.ExternalTensor(self._data_path.name, offset, size, ir.DataType.from_numpy(dtype),
+                                 shape=ir.Shape(shape), name=f"w{offset}", base_dir=self._data_path.parent)
 
 
 class _Weight:
@@ -380,7 +380,8 @@ class _Weight:
 
 def onnxscript_model(name: str, folder: Path, seed: int = 0, inline_bytes: int = INLINE_BYTES) -> Path:
     """Write onnxscript's test model ``name`` (one of ONNXSCRIPT_MODELS) to ``folder/<name>.onnx``, as onnxscript
-    builds it; weights over ``inline_bytes`` go to a sparse ``<name>.data`` beside it (zeros)."""
+    builds it: every weight a Constant node, those over ``inline_bytes`` with their tensor in a sparse
+    ``<name>.data`` beside it (zeros)."""
     module = importlib.import_module(f"onnxscript.rewriter.models.{name}")
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / f"{name.lstrip('_')}.data"

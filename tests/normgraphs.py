@@ -19,7 +19,12 @@ from onnx import TensorProto
 DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
           "float64": TensorProto.DOUBLE}
 MUTATIONS = ("eps_outside", "exponent3", "sub_swapped", "div_swapped", "axes_leading", "intermediate_read",
-             "gamma_leading", "eps_runtime", "mean_axes_differ")
+             "gamma_leading", "eps_runtime", "mean_axes_differ", "wrong_n", "other_mean", "eps_negative",
+             "channel_gamma_wrong_axis")
+#: how the numerator, the inverse and gamma are combined (``standard``: ``cast?(d * inv) * gamma + beta``)
+ORDERS = ("standard", "gamma_first_div", "d_gamma_over_std", "inv_gamma_d", "folded")
+#: how a mean is written: ReduceMean, ReduceSum(x) / N, ReduceSum(x) * (1/N), GlobalAveragePool (tf2onnx)
+MEAN_FORMS = ("reducemean", "sum_div", "sum_mul", "gap")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,11 @@ class Spec:
     symbolic: bool = False
     mutation: str | None = None
     hidden: int = 8
+    order: str = "standard"        # one of ORDERS ("folded": tf2onnx's x*k + (-mean*k + beta), layer only)
+    mean_form: str = "reducemean"  # one of MEAN_FORMS ("gap": k must be rank - 2)
+    square_sign: bool = False      # the variance squares mean - x
+    castlike: bool = False         # epsilon and the exponent written CastLike(constant, x) (onnxscript; opset >= 15)
+    channels_first: bool = False   # normalize axis 1 (k = 1, rank >= 3), gamma/beta shaped [C, 1, ...]
 
     def with_(self, **changes) -> "Spec":
         return replace(self, **changes)
@@ -85,19 +95,34 @@ class _Builder:
             return tensor.name
         return self.const(np.array(value, dtype=dtype), hint, as_node)
 
-    def mean(self, x: str, axes: list[int]) -> str:
+    def mean(self, x: str, axes: list[int], count: int = 1, wrong_n: bool = False) -> str:
         spec = self.spec
+        if spec.mean_form == "gap":
+            return self.op("GlobalAveragePool", x)
         keep = 0 if spec.keepdims0 else 1
-        if spec.opset >= 18:
-            out = self.op("ReduceMean", x, self.const(np.array(axes, np.int64), "axes"), keepdims=keep)
+        reduce = "ReduceMean" if spec.mean_form == "reducemean" else "ReduceSum"
+        if spec.opset >= 18 or reduce == "ReduceSum":
+            out = self.op(reduce, x, self.const(np.array(axes, np.int64), "axes"), keepdims=keep)
         else:
-            out = self.op("ReduceMean", x, axes=axes, keepdims=keep)
+            out = self.op(reduce, x, axes=axes, keepdims=keep)
         if spec.keepdims0:
             if spec.opset >= 13:
                 out = self.op("Unsqueeze", out, self.const(np.array(axes, np.int64), "unsq_axes"))
             else:
                 out = self.op("Unsqueeze", out, axes=axes)
+        n = count + 1 if wrong_n else count
+        stats = "float32" if spec.cast_stats else spec.dtype
+        if spec.mean_form == "sum_div":
+            out = self.op("Div", out, self.scalar(float(n), stats, "count"))
+        elif spec.mean_form == "sum_mul":
+            out = self.op("Mul", self.scalar(1.0 / n, stats, "one_over_n"), out)
         return out
+
+    def literal(self, value: float, dtype: str, hint: str, like: str, as_node: bool = False) -> str:
+        """A scalar constant, or CastLike(float32 constant, like) as onnxscript writes literals."""
+        if self.spec.castlike:
+            return self.op("CastLike", self.scalar(value, "float32", hint, as_node), like)
+        return self.scalar(value, dtype, hint, as_node)
 
 
 def _param(spec: Spec, kind: str | None, rng: np.random.Generator, hint: str, b: _Builder, dtype: str,
@@ -105,7 +130,13 @@ def _param(spec: Spec, kind: str | None, rng: np.random.Generator, hint: str, b:
     if kind is None:
         return None
     h = [spec.hidden] * spec.k
-    shape = {"1d": h, "11h": [1] * (spec.rank - spec.k) + h, "leading": [3] + [1] * (spec.rank - spec.k - 1) + h}[kind]
+    if spec.channels_first:
+        ones = [1] * (spec.rank - 2)
+        shape = {"1d": [spec.hidden] + ones, "11h": [1, spec.hidden] + ones, "leading": [3, 1] + ones,
+                 "wrong_axis": [1] * (spec.rank - 1) + [5]}[kind]
+    else:
+        shape = {"1d": h, "11h": [1] * (spec.rank - spec.k) + h,
+                 "leading": [3] + [1] * (spec.rank - spec.k - 1) + h}[kind]
     values = (offset + rng.uniform(0.5, 1.5, size=shape)).astype(np.float32)
     if dtype == "bfloat16":
         tensor = oh.make_tensor(b.name(hint), TensorProto.BFLOAT16, shape, values.reshape(-1).tolist())
@@ -120,72 +151,116 @@ def build(spec: Spec, seed: int = 0) -> onnx.ModelProto:
     b = _Builder(spec)
     mut = spec.mutation
     dims = ["batch", "seq", "extra"][: spec.rank - spec.k] if spec.symbolic else [3, 2, 4][: spec.rank - spec.k]
-    x_shape = list(dims) + [spec.hidden] * spec.k
-    axes = list(range(spec.rank - spec.k, spec.rank)) if spec.positive_axes else list(range(-spec.k, 0))
+    if spec.channels_first:
+        # [N, C, spatial...]: the last spatial dim is 5 so that a gamma over it cannot be mistaken for one over C
+        x_shape = [dims[0], spec.hidden] + [2] * (spec.rank - 3) + [5]
+        axes = [1] if spec.positive_axes else [1 - spec.rank]
+    else:
+        x_shape = list(dims) + [spec.hidden] * spec.k
+        axes = list(range(spec.rank - spec.k, spec.rank)) if spec.positive_axes else list(range(-spec.k, 0))
+    count = spec.hidden ** spec.k
     stats_dtype = "float32" if spec.cast_stats else spec.dtype
     x = "X"
     if spec.cast_stats:
         x = b.op("Cast", x, to=TensorProto.FLOAT)
     inputs = [oh.make_tensor_value_info("X", DTYPES[spec.dtype], x_shape)]
 
+    mean = None
     if spec.kind == "layer":
         mean_axes = [0] if mut == "axes_leading" else axes
-        mean = b.mean(x, mean_axes)
+        mean = b.mean(x, mean_axes, count, wrong_n=mut == "wrong_n")
         d = b.op("Sub", mean, x) if mut == "sub_swapped" else b.op("Sub", x, mean)
         d2 = b.op("Sub", x, mean) if spec.dup_sub else d
+        d_sq = b.op("Sub", mean, x) if spec.square_sign else d
     else:
-        d = d2 = x
+        d = d2 = d_sq = x
     if spec.square == "pow":
         exponent = 3.0 if mut == "exponent3" else 2.0
-        sq = b.op("Pow", d, b.scalar(exponent, stats_dtype, "two"))
+        sq = b.op("Pow", d_sq, b.literal(exponent, stats_dtype, "two", d_sq))
     else:
-        sq = b.op("Mul", d, d2)
+        sq = b.op("Mul", d_sq, d2 if d_sq == d else d_sq)
     var_axes = [-1] if mut == "mean_axes_differ" and spec.k == 2 else (
         [0] if mut == "axes_leading" else axes)
     if mut == "mean_axes_differ" and spec.k == 1:
         var_axes = list(range(-2, 0))
-    var = b.mean(sq, var_axes)
+    var = b.mean(sq, var_axes, count)
     if mut == "eps_runtime":
         eps = "EPS"
         inputs.append(oh.make_tensor_value_info("EPS", DTYPES[stats_dtype], []))
     else:
-        eps = b.scalar(spec.eps, stats_dtype, "eps", spec.eps_node)
+        eps = b.literal(-1e-3 if mut == "eps_negative" else spec.eps, stats_dtype, "eps", var, spec.eps_node)
+    gamma_kind = "leading" if mut == "gamma_leading" else "wrong_axis" if mut == "channel_gamma_wrong_axis" \
+        else spec.gamma
+    gamma = _param(spec, gamma_kind, rng, "gamma", b, spec.dtype, 0.0)
+    beta = _param(spec, spec.beta if spec.kind == "layer" else None, rng, "beta", b, spec.dtype, -1.0)
+    if mut == "other_mean":
+        # the numerator subtracts the mean of another tensor
+        mean = b.mean(b.op("Mul", x, b.scalar(2.0, stats_dtype, "two_x")), axes, count)
+        d2 = b.op("Sub", x, mean)
     if mut == "eps_outside":
         std = b.op("Add", b.op("Sqrt", var), eps)
-        normalized = b.op("Div", d2, std)
+        y = b.op("Div", d2, std)
+        if spec.cast_stats:
+            y = b.op("Cast", y, to=DTYPES[spec.dtype])
+        order = "standard"
     else:
         var_eps = b.op("Add", eps, var) if spec.eps_first else b.op("Add", var, eps)
         inverse = spec.inverse
-        if inverse == "div":
-            std = b.op("Sqrt", var_eps)
-            normalized = b.op("Div", std, d2) if mut == "div_swapped" else b.op("Div", d2, std)
+        needs_std = inverse != "pow_neg_half" or spec.order in ("gamma_first_div", "d_gamma_over_std")
+        std = b.op("Sqrt", var_eps) if needs_std else None
+        if inverse == "recip":
+            inv = b.op("Reciprocal", std)
+        elif inverse in ("div1", "div"):
+            inv = b.op("Div", b.scalar(1.0, stats_dtype, "one"), std)
+        elif inverse == "pow_neg1":
+            inv = b.op("Pow", std, b.scalar(-1.0, stats_dtype, "m1"))
         else:
-            if inverse == "recip":
-                inv = b.op("Reciprocal", b.op("Sqrt", var_eps))
-            elif inverse == "div1":
-                inv = b.op("Div", b.scalar(1.0, stats_dtype, "one"), b.op("Sqrt", var_eps))
-            elif inverse == "pow_neg1":
-                inv = b.op("Pow", b.op("Sqrt", var_eps), b.scalar(-1.0, stats_dtype, "m1"))
+            inv = b.op("Pow", var_eps, b.scalar(-0.5, stats_dtype, "mhalf"))
+        order = spec.order
+        if (order == "standard" and inverse == "div") or (order in ("gamma_first_div", "d_gamma_over_std") and
+                                                          gamma is not None):
+            b.nodes.pop()  # 1/std is not written: the division by std is
+        if order == "standard":
+            if inverse == "div":
+                y = b.op("Div", std, d2) if mut == "div_swapped" else b.op("Div", d2, std)
             else:
-                inv = b.op("Pow", var_eps, b.scalar(-0.5, stats_dtype, "mhalf"))
-            normalized = b.op("Mul", d2, inv)
-    y = normalized
-    if spec.cast_stats:
-        y = b.op("Cast", y, to=DTYPES[spec.dtype])
-    gamma = _param(spec, "leading" if mut == "gamma_leading" else spec.gamma, rng, "gamma", b, spec.dtype, 0.0)
-    if gamma is not None:
+                y = b.op("Mul", d2, inv)
+            if spec.cast_stats:
+                y = b.op("Cast", y, to=DTYPES[spec.dtype])
+        elif order == "folded" and mean is not None:
+            k = b.op("Mul", inv, gamma) if gamma is not None else inv
+            shift = b.op("Mul", b.op("Neg", mean), k)
+            y = b.op("Add", b.op("Mul", x, k), b.op("Add", shift, beta) if beta is not None else shift)
+        elif order == "gamma_first_div" and gamma is not None:
+            y = b.op("Div", b.op("Mul", gamma, d2), std)
+        elif order == "d_gamma_over_std" and gamma is not None:
+            y = b.op("Mul", d2, b.op("Div", gamma, std))
+        else:  # inv_gamma_d, or an order that needs gamma without one
+            y = b.op("Mul", b.op("Mul", inv, gamma), d2) if gamma is not None else b.op("Mul", inv, d2)
+    if order == "standard" and gamma is not None:
         y = b.op("Mul", gamma, y) if spec.gamma_first else b.op("Mul", y, gamma)
-    beta = _param(spec, spec.beta if spec.kind == "layer" else None, rng, "beta", b, spec.dtype, -1.0)
-    if beta is not None:
+    if order != "folded" and beta is not None:
         y = b.op("Add", beta, y) if spec.beta_first else b.op("Add", y, beta)
     outputs = [oh.make_tensor_value_info(y, DTYPES[spec.dtype], x_shape)]
     if mut == "intermediate_read":
-        outputs.append(oh.make_tensor_value_info(var, DTYPES[stats_dtype], list(dims) + [1] * spec.k))
-    graph = oh.make_graph(b.nodes, "norm", inputs, outputs, b.inits)
+        stat_shape = [1 if i in [a % spec.rank for a in axes] else d for i, d in enumerate(x_shape)]
+        outputs.append(oh.make_tensor_value_info(var, DTYPES[stats_dtype], stat_shape))
+    nodes, inits = _used(b.nodes, b.inits, [o.name for o in outputs])
+    graph = oh.make_graph(nodes, "norm", inputs, outputs, inits)
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", spec.opset)])
     model.ir_version = 8 if spec.opset < 21 else 10
     onnx.checker.check_model(model)
     return model
+
+
+def _used(nodes: list, inits: list, outputs: list[str]) -> tuple[list, list]:
+    """Only what the outputs are computed from (a spelling may leave a value it built unread)."""
+    needed, kept = set(outputs), []
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(node.input)
+    return kept[::-1], [t for t in inits if t.name in needed]
 
 
 # ---- running models -----------------------------------------------------------------------------------------------

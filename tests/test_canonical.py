@@ -121,3 +121,21 @@ def test_dims_written_as_expressions_never_break_verification(dim):
     model = _model(nodes, x, [oh.make_tensor_value_info("y", TensorProto.FLOAT, [dim, 8])], inits, opset=17)
     result = lnfuse.fuse(model)
     assert [f.op_type for f in result.report.fused] == ["SkipLayerNormalization"]
+
+
+def test_castlike_of_a_known_dtype_becomes_a_cast_that_no_longer_reads_the_tensor():
+    # onnxscript's literal: CastLike(1.5, x) * x; the Cast computes the same bits and does not read x
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 3])
+    nodes = [oh.make_node("Constant", [], ["c"], value=onh.from_array(np.array(1.5, np.float32))),
+             oh.make_node("CastLike", ["c", "x"], ["c_like"]),
+             oh.make_node("Mul", ["c_like", "x"], ["y"])]
+    model = _model(nodes, [x], [oh.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 3])])
+    result = lnfuse.fuse(model)
+    ops = [n.op_type for n in result.model.graph.node]
+    assert "CastLike" not in ops and "Cast" in ops
+    cast = next(n for n in result.model.graph.node if n.op_type == "Cast")
+    assert list(cast.input) == ["c"] and oh.get_attribute_value(cast.attribute[0]) == TensorProto.FLOAT16
+    assert any("CastLike" in note for note in result.report.notes)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3)).astype(np.float16)}
+    comparison = compare_models(model, result.model, feeds)
+    assert comparison["ok"] and max(comparison["outputs"].values()) == 0

@@ -282,3 +282,72 @@ def test_quantize_leaves_a_float16_block_as_it_is():
     assert "QEmbedLayerNormalization" not in op_types(result.model)
     assert any(u.rule == "quantize_embeddings" and "float32" in u.reason for u in result.report.unfused)
     session(result.model)  # ORT loads it
+
+
+def _sliced_to_mask_axis(axis: int) -> onnx.ModelProto:
+    """transformers' dynamo form (DeBERTa-v2): position_ids[:, :S] with S read from the attention mask's shape,
+    and token types as zeros expanded to the mask's shape."""
+    g = _G()
+    g.inputs.append(oh.make_tensor_value_info("mask", TensorProto.INT64, ["batch", "seq"]))
+    g.const("pos_buffer", np.arange(P, dtype=np.int64).reshape(1, P))
+    end = g.node("Shape", ["mask"], "mask_len", start=axis, end=axis + 1)
+    pos_ids = g.node("Slice", ["pos_buffer", g.const("zero", np.array([0], np.int64)), end,
+                               g.const("axis1", np.array([1], np.int64))], "pos_ids")
+    batch = g.node("Shape", ["mask"], "mask_batch", start=0, end=1)
+    seq = g.node("Shape", ["mask"], "mask_seq", start=1, end=2)
+    zeros = g.node("Expand", [g.const("zero_s", np.array(0, np.int64)),
+                              g.node("Concat", [batch, seq], "mask_shape", axis=0)], "token_types")
+    word = g.node("Gather", [g.table("word", V), "ids"], "word_emb")
+    pos = g.node("Gather", [g.table("pos", P), pos_ids], "pos_emb")
+    seg = g.node("Gather", [g.table("seg", T), zeros], "seg_emb")
+    return g.norm(g.node("Add", [g.node("Add", [word, pos], "wp"), seg], "s"))
+
+
+def test_positions_sliced_to_the_sequence_length_of_another_input():
+    node, fused = _embed(_sliced_to_mask_axis(1))
+    inputs = list(node.input) + [""] * (9 - len(node.input))
+    assert inputs[2:5] == ["word", "pos", "seg"] and inputs[8] == "", "proved 0..S-1: the kernel's own positions"
+
+
+def test_positions_sliced_to_the_batch_size_are_not_taken_for_0_to_s():
+    result = lnfuse.fuse(_sliced_to_mask_axis(0))
+    ops = op_types(result.model)
+    assert "EmbedLayerNormalization" not in ops, "min(P, batch) positions are not 0..S-1"
+
+
+def test_deberta_v2_from_the_dynamo_exporter():
+    """transformers' DeBERTa-v2 (sample_models/make_deberta_sample.py): its embedding block fuses exactly."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "sample_models" / "deberta_v2_tiny_dynamo_op18.onnx"
+    result = lnfuse.fuse(path, verify_model=True)
+    embeds = [n for n in result.model.graph.node if n.op_type == "EmbedLayerNormalization"]
+    assert len(embeds) == 1 and len(embeds[0].input) <= 8, "positions are the kernel's own 0..S-1"
+    assert result.report.model_check["summary"].startswith("agree"), result.report.model_check
+
+
+def _folded(term: np.ndarray) -> onnx.ModelProto:
+    """A static-shape export with constant folding: the position lookup of 0..S-1 is a stored [.., S, H] term."""
+    g = _G()
+    g.inputs[0] = oh.make_tensor_value_info("ids", TensorProto.INT64, [2, 4])
+    word = g.node("Gather", [g.table("word", V), "ids"], "word_emb")
+    model = g.norm(g.node("Add", [word, g.const("pos_term", term.astype(np.float32))], "s"))
+    model.graph.output[0].type.tensor_type.shape.CopyFrom(onnx.TensorShapeProto(dim=[
+        onnx.TensorShapeProto.Dimension(dim_value=d) for d in (2, 4, H)]))
+    return model
+
+
+def test_a_folded_position_term_is_the_position_table():
+    term = np.random.default_rng(4).normal(size=(1, 4, H))
+    result = lnfuse.fuse(_folded(term), verify_model=True)
+    embed = [n for n in result.model.graph.node if n.op_type == "EmbedLayerNormalization"]
+    assert len(embed) == 1 and len(embed[0].input) <= 8, op_types(result.model)
+    assert result.report.model_check["summary"].startswith("agree")
+
+
+def test_a_constant_term_that_differs_between_batch_rows_is_not_a_lookup():
+    term = np.random.default_rng(4).normal(size=(2, 4, H))
+    result = lnfuse.fuse(_folded(term), verify_model=True)
+    assert "EmbedLayerNormalization" not in op_types(result.model)
+    assert any("differs between batch rows" in note for note in result.report.notes), result.report.notes
+    assert result.report.model_check["summary"].startswith("agree")

@@ -39,6 +39,18 @@ LAYER_VARIANTS = {
     "fp16_fp32_statistics": Spec(dtype="float16", cast_stats=True),
     "float64": Spec(dtype="float64", eps=2.0 ** -17),
     "large_eps": Spec(eps=0.1),
+    # seen through algebra (issue 12)
+    "eps_zero": Spec(eps=0.0),
+    "gamma_before_division": Spec(order="gamma_first_div"),
+    "d_times_gamma_over_std": Spec(order="d_gamma_over_std"),
+    "inv_gamma_d": Spec(order="inv_gamma_d", inverse="recip"),
+    "tf2onnx_folded_affine": Spec(order="folded", inverse="pow_neg_half"),
+    "tf2onnx_folded_no_beta": Spec(order="folded", beta=None),
+    "square_of_mean_minus_x": Spec(square_sign=True),
+    "mean_as_sum_over_n": Spec(mean_form="sum_div", opset=18),
+    "mean_as_sum_times_one_over_n": Spec(mean_form="sum_mul", keepdims0=True),
+    "global_average_pool_means": Spec(mean_form="gap", order="folded"),
+    "castlike_constants": Spec(castlike=True, opset=18),
 }
 
 RMS_VARIANTS = {
@@ -53,6 +65,10 @@ RMS_VARIANTS = {
     "rms_fp16_fp32_statistics": Spec(kind="rms", dtype="float16", cast_stats=True, opset=23),
     "rms_two_axes": Spec(kind="rms", rank=4, k=2, hidden=4, opset=23),
     "rms_keepdims0": Spec(kind="rms", keepdims0=True),
+    "rms_inv_gamma_x": Spec(kind="rms", order="inv_gamma_d", opset=23),
+    "rms_gamma_before_division": Spec(kind="rms", order="gamma_first_div"),
+    "rms_sum_over_n": Spec(kind="rms", mean_form="sum_div", opset=23),
+    "rms_castlike_constants": Spec(kind="rms", castlike=True, opset=23),
 }
 
 
@@ -161,6 +177,7 @@ REFUSALS = {
     "mean_axes_differ": ("axes", "reduces"),
     "intermediate_read": ("intermediate", "graph output"),
     "eps_runtime": ("epsilon", "not a constant"),
+    "eps_negative": ("epsilon", "epsilon >= 0"),
 }
 
 

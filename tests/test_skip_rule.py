@@ -106,7 +106,7 @@ def test_skip_op_on_2d_input():
 
 @pytest.mark.parametrize("case, check", [
     (dict(shapes={"b": [2, 1, H]}), "shape"),
-    (dict(rank=4), "shape"),
+    (dict(rank=4, shapes={"b": [2, 1, 1, H]}), "shape"),
     (dict(dtype=np.float64), "dtype"),
     (dict(norm_attrs={"axis": -2, "epsilon": 1e-5}), "axes"),
 ])
@@ -185,3 +185,100 @@ def test_norm_of_a_reshaped_sum(target, fused):
     node = _fused(model, "SkipLayerNormalization")
     assert list(node.input[:2]) in (["a", "b"], ["b", "a"]), "the kernel runs on the sum before the Reshape"
     assert len(node.output) == 4 and node.output[3], "the flattened sum is read again: output 3, reshaped"
+
+
+# ---- rank 4: [B, H, W, C] (Swin, ViTDet, SAM) is seen as [B, H·W, C] by the kernel, then reshaped back -----------
+
+def _rank4_model(x_shape: list, skip_shape: list, *, read_sum: bool = False, read_stats: bool = False,
+                 elem=None) -> onnx.ModelProto:
+    from onnx import TensorProto
+    rng = np.random.default_rng(4)
+    elem = elem or TensorProto.FLOAT
+    nodes = [oh.make_node("Add", ["x", "r"], ["s"]),
+             oh.make_node("LayerNormalization", ["s", "gamma", "beta"], ["Y"] + (["mean"] if read_stats else []),
+                          epsilon=1e-6)]
+    outputs = [oh.make_tensor_value_info("Y", elem, x_shape)]
+    if read_sum:  # pre-norm: the sum is the next residual
+        nodes.append(oh.make_node("Add", ["s", "Y"], ["next"]))
+        outputs = [oh.make_tensor_value_info("next", elem, x_shape)]
+    if read_stats:
+        outputs.append(oh.make_tensor_value_info("mean", TensorProto.FLOAT, x_shape[:3] + [1]))
+    inits = [onh.from_array(rng.uniform(0.5, 1.5, H).astype(np.float32), "gamma"),
+             onh.from_array(rng.normal(size=H).astype(np.float32), "beta")]
+    graph = oh.make_graph(nodes, "rank4", [oh.make_tensor_value_info("x", elem, x_shape),
+                                           oh.make_tensor_value_info("r", elem, skip_shape)], outputs, inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def _feeds(batch: int, x_hw: tuple[int, int], skip_shape: list) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    skip = [batch if d == "B" else x_hw[0] if d == "h" else x_hw[1] if d == "w" else d for d in skip_shape]
+    return {"x": (rng.standard_normal((batch, *x_hw, H)) * 3 + 1).astype(np.float32),
+            "r": rng.standard_normal(skip).astype(np.float32)}
+
+
+@pytest.mark.parametrize("x_shape, skip_shape", [
+    ([2, 2, 3, H], [2, 2, 3, H]),            # static
+    (["B", 2, 3, H], ["B", 2, 3, H]),        # symbolic batch: H·W stated, B copied (0 in the target)
+    (["B", "h", "w", H], ["B", "h", "w", H]),  # symbolic spatial dims: H·W computed from x's shape
+    (["B", 2, 3, H], [1, 2, 3, H]),          # ViTDet's position embedding
+    (["B", 2, 3, H], [2, 3, H]),
+])
+def test_rank4_residual_norm_runs_on_the_sum_seen_as_rank_3(x_shape, skip_shape):
+    model = _rank4_model(x_shape, skip_shape)
+    result = lnfuse.fuse(model)
+    ops = op_types(result.model)
+    assert ops.count("SkipLayerNormalization") == 1, (ops, result.report.unfused)
+    assert "Add" not in ops and "LayerNormalization" not in ops
+    skip = next(n for n in result.model.graph.node if n.op_type == "SkipLayerNormalization")
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+              for v in onnx.shape_inference.infer_shapes(result.model).graph.value_info}
+    assert len(shapes.get(skip.input[0], [])) in (0, 3), "the kernel's input is rank 3"
+    onnx.checker.check_model(result.model, full_check=True)
+    # batches other than the declared one, the empty batch included where the batch is symbolic
+    batches = [2] if x_shape[0] == 2 else [1, 4, 0]
+    for batch in batches:
+        feeds = _feeds(batch, (2, 3) if x_shape[1] != "h" else (3, 5), skip_shape)
+        want, got = run(model, feeds)[0], run(result.model, feeds)[0]
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_rank4_pre_norm_sum_read_later_is_output_3_reshaped_back():
+    model = _rank4_model(["B", 2, 3, H], ["B", 2, 3, H], read_sum=True)
+    result = lnfuse.fuse(model)
+    skip = next(n for n in result.model.graph.node if n.op_type == "SkipLayerNormalization")
+    assert len(skip.output) == 4 and skip.output[3], "the sum is read again"
+    readers = [n.op_type for n in result.model.graph.node if skip.output[3] in n.input]
+    assert readers == ["Reshape"], "the sum comes back in the [B, H, W, C] shape"
+    feeds = _feeds(3, (2, 3), ["B", 2, 3, H])
+    np.testing.assert_allclose(run(result.model, feeds)[0], run(model, feeds)[0], atol=1e-5, rtol=1e-4)
+
+
+def test_rank4_norm_whose_statistics_are_read_stays():
+    result = lnfuse.fuse(_rank4_model([2, 2, 3, H], [2, 2, 3, H], read_stats=True))
+    assert "SkipLayerNormalization" not in op_types(result.model)
+    assert any(u.rule == "skip_norm" and u.check == "outputs" for u in result.report.unfused)
+
+
+@pytest.mark.parametrize("name", ["hf_vitdet_legacy_op17.onnx", "hf_vitdet_dynamo_op18.onnx"])
+def test_vitdet_rank4_residual_norms_become_skip_ops(name):
+    """transformers' ViTDet keeps its activations as [B, H, W, C]: the patch + position sum and both residual
+    sums of each layer feed a LayerNorm (sample_models/make_exporter_samples.py)."""
+    from pathlib import Path
+    from lnfuse.whole_model import compare_models
+    path = Path(__file__).resolve().parent.parent / "sample_models" / name
+    original = onnx.load(path)
+    assert sum(n.op_type == "LayerNormalization" for n in original.graph.node) == 4
+    result = lnfuse.fuse(path)
+    ops = op_types(result.model)
+    # the 3 channels-first VitDetLayerNorms fuse as Transpose -> LayerNormalization -> Transpose (issue 12 algebra)
+    assert ops.count("SkipLayerNormalization") == 4 and ops.count("LayerNormalization") == 3
+    assert not [u for u in result.report.unfused if u.rule == "skip_norm"]
+    onnx.checker.check_model(result.model, full_check=True)
+    for batch in (1, 3):
+        feeds = {"pixel_values": np.random.default_rng(batch).standard_normal((batch, 3, 32, 32), np.float32)}
+        check = compare_models(original, result.model, feeds)
+        assert check["ok"], check

@@ -1,0 +1,294 @@
+"""Sums of products: the normal form that norm patterns are matched on.
+
+A value computed by a chain of Add, Sub, Neg, Mul, Div, Reciprocal, Pow (constant exponent) and Sqrt is written as
+``sum_i c_i * prod_j f_ij ** e_ij``: a list of monomials, each a numeric coefficient and factors with rational
+exponents. Exporters spell one formula in many orders and associations (``d * inv * gamma``, ``gamma * d / std``,
+``x*k + (-mean*k + beta)``); they all reach the same monomials, so a rule states the math once.
+
+What is expanded, and why it stays exact:
+- products and quotients are flattened; a one-element constant that does not raise the rank folds into the
+  coefficient;
+- a product of a sum with a monomial is distributed (a product of two sums is not: ``d * d`` stays ``d ** 2``);
+- powers multiply exponents only where that holds for every real base, negative and zero included (``(f**2)**0.5``
+  is ``|f|``, not ``f``; ``f * f**-1`` is NaN at 0, not 1): see ``_power_ok`` and ``_merge_ok``;
+- a sum or product whose value is also read outside the chain stays a unit (its readers need the value itself, and
+  the region must not swallow it); so does every constant, every other op, and a Cast (which changes precision).
+Factors are compared as computations (two nodes with the same op, attributes and inputs are one factor), so the
+twin ``x - mean`` nodes of old exports still make a square.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Iterable
+
+import numpy as np
+import onnx_ir as ir
+
+from lnfuse.constants import is_static, static_value
+
+CHAIN = frozenset({"Add", "Sub", "Neg", "Mul", "Div", "Reciprocal", "Pow", "Sqrt", "Identity"})
+#: ops whose result is a multiple of a power of one input (seen through when a factor is matched)
+POWERS = frozenset({"Sqrt", "Reciprocal", "Pow", "Div", "Mul", "Neg"})
+_MAX_TERMS = 8
+_MAX_CHAIN = 48
+_KEY_DEPTH = 4
+_IMPURE = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                     "Bernoulli", "Dropout"})
+
+
+@dataclass(frozen=True)
+class Factor:
+    """``value ** exponent``; ``twins`` are other values computing the same thing (merged into this factor)."""
+
+    value: ir.Value
+    exponent: Fraction
+    twins: tuple[ir.Value, ...] = ()
+
+
+@dataclass(frozen=True)
+class Monomial:
+    coef: float
+    factors: tuple[Factor, ...]
+
+
+@dataclass(frozen=True)
+class Expansion:
+    terms: tuple[Monomial, ...]
+    nodes: tuple[ir.Node, ...]  # the chain nodes the terms were read through
+
+
+def expand(value: ir.Value) -> Expansion:
+    """The normal form of ``value``: its monomials, and the nodes they were read through."""
+    chain = _chain(value)
+    nodes: list[ir.Node] = []
+    terms = _expand(value, chain, nodes, {})
+    return Expansion(tuple(terms), tuple(nodes))
+
+
+def power_view(value: ir.Value) -> tuple[ir.Value, Fraction, float, ir.Node] | None:
+    """``(base, p, c, node)`` when ``value`` is ``c * base ** p`` by one node: Sqrt, Reciprocal, Pow, Div(1, base),
+    Neg, or a product or quotient with a one-element constant (``ReduceSum(x) / N``)."""
+    node = value.producer()
+    if node is None or not _is_onnx(node) or node.op_type not in POWERS or node.outputs[0] is not value:
+        return None
+    ins = node.inputs
+    if node.op_type == "Sqrt":
+        return ins[0], Fraction(1, 2), 1.0, node
+    if node.op_type == "Reciprocal":
+        return ins[0], Fraction(-1), 1.0, node
+    if node.op_type == "Neg":
+        return ins[0], Fraction(1), -1.0, node
+    if node.op_type == "Pow":
+        p = _scalar(ins[1], node)
+        return (ins[0], p, 1.0, node) if p is not None else None
+    if node.op_type == "Mul":
+        for i in (0, 1):
+            c = _scalar(ins[i], node)
+            if c is not None:
+                return ins[1 - i], Fraction(1), float(c), node
+        return None
+    c = _scalar(ins[1], node)
+    if c is not None and c != 0:
+        return ins[0], Fraction(1), 1.0 / float(c), node
+    c = _scalar(ins[0], node)
+    return (ins[1], Fraction(-1), float(c), node) if c is not None else None
+
+
+def power_ok(e: Fraction, p: Fraction) -> bool:
+    """``(f**e)**p == f**(e*p)`` for every real f (NaN where either side is NaN)."""
+    if e.denominator == 1 and p.denominator == 1:
+        return True
+    return (e * p).denominator != 1 and not (e.denominator == 1 and e.numerator % 2 == 0)
+
+
+def key(value: ir.Value, depth: int = _KEY_DEPTH) -> tuple:
+    """Equal keys: the values are computed by the same pure ops from the same inputs."""
+    node = value.producer()
+    if node is None or depth == 0 or node.op_type in _IMPURE or node.op_type == "Constant" or \
+            any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) or a.is_ref()
+                for a in node.attributes.values()):
+        return ("value", id(value))
+    attrs = tuple(sorted((name, repr(a.value)) for name, a in node.attributes.items()))
+    inputs = tuple(None if v is None else key(v, depth - 1) for v in node.inputs)
+    return (node.op_type, node.domain, attrs, list(node.outputs).index(value), inputs)
+
+
+# ---- internals ----------------------------------------------------------------------------------------------
+
+def _is_onnx(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx")
+
+
+def _is_chain(node: ir.Node | None) -> bool:
+    return node is not None and _is_onnx(node) and node.op_type in CHAIN and len(node.outputs) == 1
+
+
+def _chain(root: ir.Value) -> set[ir.Node]:
+    """Chain nodes reachable from root whose results are read only inside the chain (root's own node excepted)."""
+    found: list[ir.Node] = []
+    stack = [root]
+    while stack and len(found) < _MAX_CHAIN:
+        value = stack.pop()
+        node = value.producer()
+        if not _is_chain(node) or node in found or is_static(value):
+            continue
+        found.append(node)
+        stack.extend(v for v in node.inputs if v is not None)
+    chain = set(found)
+    top = root.producer()
+    changed = True
+    while changed:
+        changed = False
+        for node in list(chain):
+            if node is top:
+                continue
+            out = node.outputs[0]
+            if out.is_graph_output() or any(user not in chain for user, _ in out.uses()):
+                chain.discard(node)
+                changed = True
+    # keep only what is still reachable from the root through the chain
+    reachable, stack = set(), [top]
+    while stack:
+        node = stack.pop()
+        if node not in chain or node in reachable:
+            continue
+        reachable.add(node)
+        stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
+    return reachable
+
+
+def _leaf(value: ir.Value) -> list[Monomial]:
+    return [Monomial(1.0, (Factor(value, Fraction(1)),))]
+
+
+def _scalar(value: ir.Value | None, node: ir.Node) -> Fraction | None:
+    """A one-element constant operand that does not raise the rank of ``node``'s result, as an exact fraction."""
+    if value is None or value.shape is None or not value.shape.is_static() or \
+            any(int(d) != 1 for d in value.shape):
+        return None
+    out = node.outputs[0]
+    if len(value.shape) > 0 and (out.shape is None or len(out.shape) < len(value.shape)):
+        return None
+    array = static_value(value)
+    if array is None or array.dtype.kind not in "fiu":
+        return None
+    number = float(np.asarray(array).reshape(-1)[0])
+    if not np.isfinite(number):
+        return None
+    return Fraction(number)
+
+
+def _expand(value: ir.Value, chain: set[ir.Node], nodes: list[ir.Node], memo: dict) -> list[Monomial]:
+    if value in memo:
+        return memo[value]
+    node = value.producer()
+    if node is None or node not in chain:
+        return _leaf(value)
+    result = _expand_node(node, chain, nodes, memo)
+    if result is None or len(result) > _MAX_TERMS:
+        return _leaf(value)
+    if node not in nodes:
+        nodes.append(node)
+    memo[value] = result
+    return result
+
+
+def _expand_node(node: ir.Node, chain, nodes, memo) -> list[Monomial] | None:
+    op = node.op_type
+    ins = node.inputs
+    if op == "Identity":
+        return _expand(ins[0], chain, nodes, memo)
+    if op in ("Add", "Sub"):
+        a, b = _expand(ins[0], chain, nodes, memo), _expand(ins[1], chain, nodes, memo)
+        return a + (b if op == "Add" else _scaled(b, -1.0))
+    if op == "Neg":
+        return _scaled(_expand(ins[0], chain, nodes, memo), -1.0)
+    if op == "Mul":
+        for i in (0, 1):
+            c = _scalar(ins[i], node)
+            if c is not None:
+                return _scaled(_expand(ins[1 - i], chain, nodes, memo), float(c))
+        return _product(_operand(ins[0], chain, nodes, memo), _operand(ins[1], chain, nodes, memo))
+    if op == "Div":
+        c = _scalar(ins[1], node)
+        if c is not None:
+            return None if c == 0 else _scaled(_expand(ins[0], chain, nodes, memo), 1.0 / float(c))
+        inverse = _power(_operand(ins[1], chain, nodes, memo), Fraction(-1))
+        if _scalar(ins[0], node) is not None:
+            return None if inverse is None else _scaled(inverse, float(_scalar(ins[0], node)))
+        return None if inverse is None else _product(_operand(ins[0], chain, nodes, memo), inverse)
+    if op in ("Reciprocal", "Sqrt", "Pow"):
+        p = Fraction(-1) if op == "Reciprocal" else Fraction(1, 2) if op == "Sqrt" else _scalar(ins[1], node)
+        if p is None:
+            return None
+        return _power(_operand(ins[0], chain, nodes, memo), p)
+    return None
+
+
+def _operand(value: ir.Value, chain, nodes, memo) -> list[Monomial]:
+    """An operand of a product: its monomials, or itself as one factor when it is a sum of several."""
+    terms = _expand(value, chain, nodes, memo)
+    return terms if len(terms) == 1 else _leaf(value)
+
+
+def _scaled(terms: Iterable[Monomial], c: float) -> list[Monomial]:
+    return [Monomial(t.coef * c, t.factors) for t in terms]
+
+
+def _product(a: list[Monomial], b: list[Monomial]) -> list[Monomial] | None:
+    if len(a) > 1 and len(b) > 1:
+        return None
+    out = []
+    for s in a:
+        for t in b:
+            factors = _merge(s.factors + t.factors)
+            if factors is None:
+                return None
+            out.append(Monomial(s.coef * t.coef, factors))
+    return out
+
+
+def _power(terms: list[Monomial], p: Fraction) -> list[Monomial] | None:
+    if len(terms) != 1:
+        return None
+    (t,) = terms
+    if p.denominator != 1 and t.coef <= 0:
+        return None
+    if t.coef == 0 and p < 0:
+        return None
+    if not all(power_ok(f.exponent, p) for f in t.factors):
+        return None
+    coef = float(t.coef ** float(p)) if p.denominator != 1 else float(Fraction(t.coef) ** p)
+    return [Monomial(coef, tuple(Factor(f.value, f.exponent * p, f.twins) for f in t.factors))]
+
+
+def _merge(factors: tuple[Factor, ...]) -> tuple[Factor, ...] | None:
+    """Factors of one computation multiplied together: exponents add where that is exact, else the product is not
+    expanded (None)."""
+    merged: list[Factor] = []
+    keys: list[tuple] = []
+    for f in factors:
+        k = key(f.value)
+        if k in keys:
+            i = keys.index(k)
+            old = merged[i]
+            if not _merge_ok(old.exponent, f.exponent):
+                return None
+            twins = old.twins + ((f.value,) if f.value is not old.value and f.value not in old.twins else ()) + \
+                tuple(t for t in f.twins if t not in old.twins)
+            merged[i] = Factor(old.value, old.exponent + f.exponent, twins)
+        else:
+            keys.append(k)
+            merged.append(f)
+    return tuple(merged)
+
+
+def _merge_ok(a: Fraction, b: Fraction) -> bool:
+    """``f**a * f**b == f**(a+b)`` for every real f: same sign (0 * inf is NaN), and no NaN lost for f < 0."""
+    if (a > 0) != (b > 0):
+        return False
+    if a.denominator == 1 and b.denominator == 1:
+        return True
+    return (a + b).denominator != 1

@@ -1,0 +1,22 @@
+"""``lnfuse explain model.onnx --annotate out.onnx``: an unchanged copy of the input in which the nodes of each
+candidate carry what lnfuse decided (open it in Netron and click the node that stopped a fusion)."""
+
+from __future__ import annotations
+
+import os
+
+from lnfuse import io
+from lnfuse.engine import scopes
+from lnfuse.provenance import mark_candidates
+from lnfuse.report import Report
+
+
+def write_annotated(source: str | os.PathLike, report: Report, output: str | os.PathLike) -> int:
+    """Read ``source`` again (the report's run rewrote its own copy), label its candidates' nodes from ``report``
+    and write it like any output: atomically, weights copied byte for byte. Returns the nodes labelled."""
+    loaded = io.load(source)
+    labelled = mark_candidates(loaded.model, report, {scope.path: scope.graph for scope in scopes(loaded.model)})
+    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+    io.save(loaded.model, output, external_data="keep" if loaded.has_external_data else None,
+            input_path=loaded.path, source=loaded.source)
+    return labelled

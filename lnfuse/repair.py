@@ -1,0 +1,209 @@
+"""Read a model the way ONNX Runtime reads it: repair what ORT repairs itself, refuse what ORT refuses.
+
+The input contract is "every model the installed ONNX Runtime loads". ORT sorts nodes that are out of order,
+declares a contrib domain a model uses without importing it, reads any IR version it was built for, and treats a
+dim of -1 as unknown. onnx's checker and lnfuse's own shape code refuse all four, so each is repaired here, on the
+proto, before anything else looks at the model. What cannot be repaired (a real cycle, an IR version the runtime
+cannot read) is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import networkx as nx
+import onnx
+
+from lnfuse.errors import InputError
+
+
+def repair(proto: onnx.ModelProto, where: str) -> None:
+    """Make ``proto`` (in place) what ORT would run, or raise ``InputError`` with what ORT would refuse."""
+    _check_ir_version(proto, where)
+    for nodes, available, scope in _scopes(proto, where):
+        _sort_nodes(nodes, available, scope)
+    _declare_missing_domains(proto)
+    _unknown_negative_dims(proto)
+
+
+def _scopes(proto: onnx.ModelProto, where: str) -> Iterator[tuple[object, set[str], str]]:
+    """Each list of nodes that must be in order: the main graph, function bodies, and the bodies of If/Loop/Scan
+    nodes in either, with the names defined before their first node."""
+    for graph, outer in _graphs(proto.graph, frozenset()):
+        yield graph.node, _names_defined(graph) | outer, f"{where}: graph '{graph.name}'"
+    for function in proto.functions:
+        inputs = frozenset(function.input)
+        yield function.node, set(inputs), f"{where}: function '{function.name}'"
+        for sub in (sub for node in function.node for attr in node.attribute for sub in _subgraphs_of(attr)):
+            for graph, outer in _graphs(sub, inputs):
+                yield graph.node, _names_defined(graph) | outer, f"{where}: graph '{graph.name}'"
+
+
+# -- IR version: a fact about the installed runtime ---------------------------------------------------------------
+
+def _check_ir_version(proto: onnx.ModelProto, where: str) -> None:
+    limit = runtime_max_ir_version()
+    if limit is not None and proto.ir_version > limit:
+        raise InputError(f"{where}: IR version {proto.ir_version} is newer than the installed ONNX Runtime reads "
+                         f"(<= {limit}); upgrade onnxruntime or re-export with an older onnx")
+    if proto.ir_version > onnx.IR_VERSION:
+        # ORT reads it but the installed onnx's checker does not: what lnfuse writes must pass that checker
+        proto.ir_version = onnx.IR_VERSION
+
+
+def runtime_max_ir_version() -> int | None:
+    """The highest IR version the installed ONNX Runtime loads. ORT does not expose it, so it is asked once: a
+    one-node model at an absurd IR version is refused with the limit in the message."""
+    import onnxruntime as ort
+
+    probe = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])], "probe",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])]))
+    probe.ir_version = 1 << 30
+    try:
+        ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception as error:  # noqa: BLE001 - ORT raises its own exception types; only the message matters
+        found = re.search(r"max supported IR version:\s*(\d+)", str(error))
+        return int(found.group(1)) if found else None
+    return None
+
+
+# -- node order ---------------------------------------------------------------------------------------------------
+
+def _graphs(graph: onnx.GraphProto, outer: frozenset[str]) -> Iterator[tuple[onnx.GraphProto, frozenset[str]]]:
+    """The graph and every If/Loop/Scan body inside it, each with the names its enclosing scopes define."""
+    yield graph, outer
+    inner = outer | _names_defined(graph)
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in _subgraphs_of(attr):
+                yield from _graphs(sub, frozenset(inner))
+
+
+def _subgraphs_of(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    return ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+
+
+def _names_defined(graph: onnx.GraphProto) -> set[str]:
+    return {v.name for v in graph.input} | {t.name for t in graph.initializer} | \
+        {t.name for t in graph.sparse_initializer}
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The names a node reads: its inputs and what its bodies read from the enclosing scopes."""
+    names = {name for name in node.input if name}
+    for attr in node.attribute:
+        for sub in _subgraphs_of(attr):
+            names |= _outer_reads(sub)
+    return names
+
+
+def _outer_reads(graph: onnx.GraphProto) -> set[str]:
+    defined = _names_defined(graph) | {out for node in graph.node for out in node.output}
+    return {name for node in graph.node for name in _reads(node)} - defined
+
+
+def _sort_nodes(nodes, available: set[str], where: str) -> None:
+    """Put ``nodes`` in an order where each node comes after the producers of what it reads, keeping the order they
+    had wherever it is already valid. A cycle is refused with the nodes on it."""
+    if _in_order(nodes, set(available)):
+        return
+    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    order = nx.DiGraph()
+    order.add_nodes_from(range(len(nodes)))
+    order.add_edges_from((producer[name], i) for i, node in enumerate(nodes) for name in _reads(node)
+                         if name in producer)
+    try:
+        ordered = list(nx.lexicographical_topological_sort(order))
+    except nx.NetworkXUnfeasible:
+        cycle = [nodes[a] for a, _ in nx.find_cycle(order)]
+        path = " -> ".join(_label(n) for n in cycle + cycle[:1])
+        raise InputError(f"{where}: the nodes form a cycle ({path}); ONNX Runtime refuses it too; fix the model "
+                         "where it was made") from None
+    sorted_nodes = [onnx.NodeProto.FromString(nodes[i].SerializeToString()) for i in ordered]
+    del nodes[:]
+    nodes.extend(sorted_nodes)
+
+
+def _in_order(nodes, known: set[str]) -> bool:
+    produced_later = {out for node in nodes for out in node.output}
+    for node in nodes:
+        if any(name in produced_later and name not in known for name in _reads(node)):
+            return False
+        known.update(node.output)
+    return True
+
+
+def _label(node: onnx.NodeProto) -> str:
+    return f"{node.op_type} '{node.name or node.output[0]}'"
+
+
+# -- domains ------------------------------------------------------------------------------------------------------
+
+def _declare_missing_domains(proto: onnx.ModelProto) -> None:
+    """A node of a domain the model does not import runs in ORT at the latest version ORT knows for that domain
+    (ORT adds the import itself); declare it so, in the model and in each function that uses it."""
+    local = {f.domain for f in proto.functions}
+    scopes = [(proto.opset_import, _model_nodes(proto))] + \
+        [(f.opset_import, _nodes_in(f.node)) for f in proto.functions]
+    latest = None
+    for imports, nodes in scopes:
+        declared = {"" if i.domain == "ai.onnx" else i.domain for i in imports}
+        missing = {n.domain for n in nodes} - {"", "ai.onnx"} - declared - local
+        latest = latest if latest is not None or not missing else _runtime_domains()
+        for domain in sorted(missing & set(latest or ())):
+            imports.append(onnx.helper.make_opsetid(domain, latest[domain]))
+
+
+def _runtime_domains() -> dict[str, int]:
+    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+
+    latest: dict[str, int] = {}
+    for schema in get_all_operator_schema():
+        latest[schema.domain] = max(latest.get(schema.domain, 1), schema.since_version)
+    return latest
+
+
+def _model_nodes(proto: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [node for graph, _ in _graphs(proto.graph, frozenset()) for node in graph.node]
+
+
+def _nodes_in(nodes) -> list[onnx.NodeProto]:
+    found = []
+    for node in nodes:
+        found.append(node)
+        for attr in node.attribute:
+            for sub in _subgraphs_of(attr):
+                found.extend(n for graph, _ in _graphs(sub, frozenset()) for n in graph.node)
+    return found
+
+
+# -- dims ---------------------------------------------------------------------------------------------------------
+
+def _unknown_negative_dims(proto: onnx.ModelProto) -> None:
+    """A dim written as -1 (or any negative value) means "unknown" to ORT. It becomes a symbolic dim of its own name
+    (valid ONNX with the same meaning), so shape inference can carry it through the graph: a lookup indexed by an
+    input of unknown dims still has the input's dims."""
+    taken = {dim.dim_param for graph, _ in _graphs(proto.graph, frozenset())
+             for info in [*graph.input, *graph.output, *graph.value_info] for dim in _dims(info.type)}
+    for graph, _ in _graphs(proto.graph, frozenset()):
+        for info in [*graph.input, *graph.output, *graph.value_info]:
+            for axis, dim in enumerate(_dims(info.type)):
+                if dim.HasField("dim_value") and dim.dim_value < 0:
+                    name = f"{info.name}_dim{axis}"
+                    while name in taken:
+                        name += "_"
+                    taken.add(name)
+                    dim.dim_param = name
+
+
+def _dims(type_proto: onnx.TypeProto) -> Iterator[onnx.TensorShapeProto.Dimension]:
+    kind = type_proto.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        yield from getattr(type_proto, kind).shape.dim
+    elif kind in ("sequence_type", "optional_type"):
+        yield from _dims(getattr(type_proto, kind).elem_type)
+    elif kind == "map_type":
+        yield from _dims(type_proto.map_type.value_type)

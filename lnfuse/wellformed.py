@@ -1,0 +1,117 @@
+"""What onnx's checker does not check but every later step assumes: text is UTF-8, data types are ones ONNX defines,
+a tensor's data is as long as its shape says, and the graph computes something.
+
+A hostile or corrupt file breaks these in ways protobuf accepts (it hands back invalid UTF-8 as bytes, keeps any
+integer as a data type). Checked once at load, on the model without its weights' bytes, so that each such file is
+refused with one line naming what and where instead of failing deep inside a rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.descriptor import FieldDescriptor
+
+from lnfuse.errors import InputError
+
+#: attributes of ONNX ops whose value is a data type (Cast's ``to``, the random ops' ``dtype``, QuantizeLinear's
+#: ``output_dtype``)
+_DTYPE_ATTRIBUTES = frozenset({"to", "dtype", "output_dtype"})
+
+#: typed data fields that hold two numbers per element (real and imaginary parts)
+_COMPLEX = frozenset({onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128})
+
+
+def check(proto: onnx.ModelProto, where: str) -> None:
+    """``InputError`` for the first flaw found; nothing when the model is well formed."""
+    if not proto.graph.output:
+        raise InputError(f"{where}: the graph has no outputs, so it computes nothing (ONNX Runtime refuses it); "
+                         "re-export the model with its outputs")
+    _walk(proto, "model", where)
+    _claims_match_initializers(proto.graph, where)
+
+
+def _claims_match_initializers(graph: onnx.GraphProto, where: str) -> None:
+    """A graph input or value_info naming an initializer declares the shape the initializer holds (ONNX Runtime
+    checks an input against its initializer; rules read the declared shape and must not meet another one)."""
+    held = {t.name: list(t.dims) for t in graph.initializer}
+    held.update({s.values.name: list(s.dims) for s in graph.sparse_initializer})
+    for info in list(graph.input) + list(graph.value_info):
+        dims = held.get(info.name)
+        tensor_type = info.type.tensor_type
+        if dims is None or not info.type.HasField("tensor_type") or not tensor_type.HasField("shape"):
+            continue
+        declared = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+        if len(declared) != len(dims) or any(d is not None and d != h for d, h in zip(declared, dims)):
+            raise InputError(f"{where}: initializer {info.name!r} holds shape {dims} but the graph declares "
+                             f"{['?' if d is None else d for d in declared]}; re-export the model")
+
+
+def _walk(message, path: str, where: str) -> None:
+    if isinstance(message, onnx.TensorProto):
+        _check_tensor(message, path, where)
+        return
+    if isinstance(message, onnx.NodeProto) and message.domain in ("", "ai.onnx"):
+        for attr in message.attribute:
+            if attr.name in _DTYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT:
+                _data_type(attr.i, f"{path} ({message.op_type}) attribute {attr.name!r}", where, allow_undefined=False)
+    for field, value in message.ListFields():
+        items = value if _repeated(field) else (value,)
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            for index, item in enumerate(items):
+                _walk(item, f"{path}.{field.name}" + (f"[{index}]" if len(items) > 1 else ""), where)
+        elif field.type == FieldDescriptor.TYPE_STRING:
+            _text(items, f"{path}.{field.name}", where)
+        elif field.name == "elem_type":
+            _data_type(value, f"{path}.elem_type", where, allow_undefined=True)
+
+
+def _repeated(field: FieldDescriptor) -> bool:
+    # protobuf 5.29 added is_repeated and 7 removed label
+    return field.is_repeated if hasattr(field, "is_repeated") else field.label == FieldDescriptor.LABEL_REPEATED
+
+
+def _text(items, path: str, where: str) -> None:
+    # protobuf returns a string field that is not valid UTF-8 as bytes instead of str
+    for item in items:
+        if isinstance(item, bytes):
+            raise InputError(f"{where}: {path} is not UTF-8 text ({item[:40]!r}); the file is corrupt, re-export it")
+
+
+def _data_type(value: int, path: str, where: str, allow_undefined: bool) -> None:
+    try:
+        known = ir.DataType(value)
+    except ValueError:
+        known = None
+    if known is None or (known == ir.DataType.UNDEFINED and not allow_undefined):
+        raise InputError(f"{where}: {path} is data type {value}, which ONNX does not define; re-export the model")
+
+
+def _check_tensor(tensor: onnx.TensorProto, path: str, where: str) -> None:
+    _text([tensor.name, tensor.doc_string, *(e.key for e in tensor.external_data),
+           *(e.value for e in tensor.external_data)], f"{path}.name", where)
+    said = f"{where}: tensor {tensor.name!r} ({path})"
+    _data_type(tensor.data_type, f"tensor {tensor.name!r} ({path})", where, allow_undefined=False)
+    if any(d < 0 for d in tensor.dims):
+        raise InputError(f"{said}: negative dimension in {list(tensor.dims)}; re-export the model")
+    if tensor.HasField("segment"):
+        raise InputError(f"{said}: a segment of a larger tensor, which ONNX Runtime does not read; re-export it")
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return  # checked against its file by lnfuse.trust
+    elements = math.prod(tensor.dims)
+    if tensor.HasField("raw_data"):
+        if tensor.data_type == onnx.TensorProto.STRING:
+            raise InputError(f"{said}: a STRING tensor with raw bytes, which ONNX does not allow; re-export it")
+        expected = math.ceil(elements * ir.DataType(tensor.data_type).itemsize)
+        held, unit = len(tensor.raw_data), "bytes"
+    else:
+        field = onnx.helper.tensor_dtype_to_field(tensor.data_type)
+        held, unit = len(getattr(tensor, field)), f"values in {field}"
+        expected = elements * (2 if tensor.data_type in _COMPLEX else 1)
+        if ir.DataType(tensor.data_type).itemsize == 0.5:
+            expected = math.ceil(elements / 2)  # two 4-bit elements a value
+    if held != expected:
+        raise InputError(f"{said}: holds {held} {unit}, its shape {list(tensor.dims)} needs {expected}; the file "
+                         "is corrupt, re-export the model")

@@ -1,0 +1,103 @@
+"""Models quantized first, by ONNX Runtime's own quantizer (sample_models/make_quantized.py): quantize_dynamic's
+int8 embedding lookups fuse exactly; quantize_static's QDQ norms stay, each reported with the reason."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+from onnx import TensorProto
+
+import lnfuse
+from normgraphs import session
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
+DYNAMIC = SAMPLES / "bert_tiny_dynamic_int8_op14.onnx"
+QDQ = SAMPLES / "bert_tiny_qdq_op14.onnx"
+
+
+def _counts(model: onnx.ModelProto) -> Counter:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def _feeds(batch: int = 2, seq: int = 5) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {"input_ids": rng.integers(0, 100, (batch, seq)), "token_type_ids": rng.integers(0, 2, (batch, seq)),
+            "attention_mask": np.ones((batch, seq), np.int64)}
+
+
+def test_dynamic_int8_lookups_become_one_exact_embed_norm():
+    result = lnfuse.fuse(DYNAMIC, verify_model=True, inputs=_feeds())
+    fused = result.model
+    counts = _counts(fused)
+    assert counts["EmbedLayerNormalization"] == 1 and counts["SkipLayerNormalization"] == 4
+    assert counts["QEmbedLayerNormalization"] == 0 and counts["ReduceMean"] == 0
+    assert result.report.model_check["summary"].startswith("agree"), result.report.model_check
+    producers = {o: n for n in fused.graph.node for o in n.output}
+    tables = {t.name: t for t in fused.graph.initializer}
+    embed = next(n for n in fused.graph.node if n.op_type == "EmbedLayerNormalization")
+    for table in embed.input[2:5]:
+        dq = producers[table]
+        assert dq.op_type == "DequantizeLinear" and tables[dq.input[0]].data_type == TensorProto.UINT8, \
+            "the kernel reads the int8 tables dequantized, exactly"
+    notes = [note for f in result.report.fused if f.op_type == "EmbedLayerNormalization" for note in f.notes]
+    assert any("QEmbedLayerNormalization" in note and "gamma and beta" in note for note in notes), notes
+    assert "QEmbedLayerNormalization is not written" in result.report.explain(), "explain says which and why"
+
+
+def test_quantize_embeddings_keeps_the_quantized_tables_and_measures_the_rest():
+    original = onnx.load(DYNAMIC)
+    quantized_tables = {t.name for t in original.graph.initializer if t.data_type == TensorProto.UINT8}
+    result = lnfuse.fuse(DYNAMIC, quantize_embeddings="uint8")
+    qembed = next(n for n in result.model.graph.node if n.op_type == "QEmbedLayerNormalization")
+    assert set(qembed.input[2:5]) <= quantized_tables, "the tables quantize_dynamic wrote are kept as they are"
+    note = next(n for n in result.report.notes if "quantized 1 embedding block" in n)
+    difference = float(note.rsplit(" ", 1)[-1])
+    assert 0 < difference < 0.05, note  # gamma and beta are quantized now: a small, measured difference
+    feeds = _feeds()
+    np.testing.assert_allclose(session(result.model).run(None, feeds)[0], session(original).run(None, feeds)[0],
+                               atol=0.05)
+
+
+def test_qdq_norms_are_candidates_with_the_reason_they_stay():
+    original = onnx.load(QDQ)
+    result = lnfuse.fuse(QDQ)
+    counts = _counts(result.model)
+    assert counts["LayerNormalization"] + counts["SkipLayerNormalization"] == 0, "fusing would remove rounding"
+    left = [u for u in result.report.unfused if u.check == "quantized"]
+    assert len(left) == 5, [u.anchor for u in result.report.unfused]  # the embedding norm and 2 per layer
+    assert all("QuantizeLinear" in u.reason and "fuse the float model first" in u.reason for u in left)
+    assert "no normalization-like candidates" not in result.report.explain()
+    feeds = _feeds()
+    np.testing.assert_array_equal(session(result.model).run(None, feeds)[0], session(original).run(None, feeds)[0])
+
+
+def test_a_per_axis_dequantization_after_a_lookup_is_not_commuted():
+    """Only one scale for the whole table commutes with the lookup; a scale per hidden unit is refused by name."""
+    rng = np.random.default_rng(0)
+    h = 8
+    inits = [onh.from_array(rng.integers(0, 255, (20, h)).astype(np.uint8), "word_q"),
+             onh.from_array(rng.uniform(0.01, 0.02, h).astype(np.float32), "word_scale"),
+             onh.from_array(np.full(h, 128, np.uint8), "word_zero"),
+             onh.from_array(rng.normal(size=(16, h)).astype(np.float32), "pos"),
+             onh.from_array(np.arange(16, dtype=np.int64).reshape(1, 16)[:, :4], "pos_ids"),
+             onh.from_array(rng.uniform(0.5, 1.5, h).astype(np.float32), "gamma"),
+             onh.from_array(rng.normal(size=h).astype(np.float32), "beta")]
+    nodes = [oh.make_node("Gather", ["word_q", "ids"], ["word_rows_q"], name="word"),
+             oh.make_node("DequantizeLinear", ["word_rows_q", "word_scale", "word_zero"], ["word_rows"], axis=2,
+                          name="word_dq"),
+             oh.make_node("Gather", ["pos", "pos_ids"], ["pos_rows"], name="position"),
+             oh.make_node("Add", ["word_rows", "pos_rows"], ["s"], name="sum"),
+             oh.make_node("LayerNormalization", ["s", "gamma", "beta"], ["y"], epsilon=1e-5, name="norm")]
+    graph = oh.make_graph(nodes, "per_axis", [oh.make_tensor_value_info("ids", TensorProto.INT64, [2, 4])],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, h])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 9
+    result = lnfuse.fuse(model)
+    assert _counts(result.model)["EmbedLayerNormalization"] == 0
+    assert any("not per tensor" in u.reason for u in result.report.unfused) or \
+        any("not per tensor" in n for n in result.report.notes), (result.report.unfused, result.report.notes)
