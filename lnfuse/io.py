@@ -156,6 +156,12 @@ def _external_tensors(proto: onnx.ModelProto):
 _WEIGHT_ELEMENTS = 1024
 
 
+def _large_constants(graph: onnx.GraphProto) -> dict[int, onnx.TensorProto]:
+    """The Constant nodes holding weights, by position (read op_type first: a big graph has few Constants)."""
+    return {i: tensor for i, node in enumerate(graph.node)
+            if node.op_type == "Constant" and (tensor := _large_constant(node)) is not None}
+
+
 def _large_constant(node: onnx.NodeProto) -> onnx.TensorProto | None:
     """The tensor of a Constant node of the main graph that holds a weight (onnxscript's code form writes weights
     so), which the skeleton sees as a graph input."""
@@ -188,12 +194,16 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
         else:
             weights.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
     skeleton.graph.CopyFrom(onnx.GraphProto(name=graph.name, doc_string=graph.doc_string))
-    for node in graph.node:
-        tensor = _large_constant(node)
-        if tensor is None:
-            skeleton.graph.node.append(node)
-        else:
-            weights.append(onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type, list(tensor.dims)))
+    constants = _large_constants(graph)
+    if constants:
+        for i, node in enumerate(graph.node):
+            if i in constants:
+                tensor = constants[i]
+                weights.append(onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type, list(tensor.dims)))
+            else:
+                skeleton.graph.node.append(node)
+    else:
+        skeleton.graph.node.extend(graph.node)
     skeleton.graph.input.extend(list(graph.input) + weights)
     skeleton.graph.output.extend(graph.output)
     skeleton.graph.value_info.extend(graph.value_info)
@@ -263,12 +273,13 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     types = list(inferred.graph.value_info)
     inferred.graph.ClearField("value_info")
     inferred_names = {v.name for v in types}
-    constants = [i for i, node in enumerate(proto.graph.node) if _large_constant(node) is not None]
-    for i in constants:
-        node, tensor = proto.graph.node[i], _large_constant(proto.graph.node[i])
+    constants = _large_constants(proto.graph)
+    for i, tensor in constants.items():
+        node = proto.graph.node[i]
         if node.output[0] not in inferred_names:
             types.append(onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type, list(tensor.dims)))
-    proto = _with_inferred_graph(proto, inferred, constants)
+    proto = _with_inferred_graph(proto, inferred, list(constants))
+    del constants
     del inferred
     model = ir.serde.deserialize_model(proto)
     _set_types(model.graph, types)
@@ -515,8 +526,8 @@ def _write_streamed(model: ir.Model, path: Path, source: SourceWeights | None) -
     every = dict(registry)
     for value in streamed:
         del registry[value.name]
-    for _, node, _ in constants:  # a stand-in while the rest is serialized: wire.constant_node_parts cuts it out
-        node.attributes["value"] = ir.AttrTensor("value", ir.tensor([0.0]))
+    for _, node, attribute in constants:  # a stand-in while the rest is serialized: constant_node_parts cuts it out
+        node.attributes["value"] = ir.AttrTensor("value", ir.tensor([0.0]), doc_string=attribute.doc_string)
     try:
         head = ir.serde.serialize_model(model).SerializeToString()
     finally:

@@ -153,5 +153,5 @@ def attach(model: ir.Model, weights: FileWeights) -> SourceWeights:
         if attribute is not None and attribute.type == ir.AttributeType.TENSOR and node.domain in ("", "ai.onnx"):
             tensor = inline(attribute.value)
             if tensor is not None:
-                node.attributes["value"] = ir.AttrTensor("value", tensor)
+                node.attributes["value"] = ir.AttrTensor("value", tensor, doc_string=attribute.doc_string)
     return SourceWeights(weights.file)

@@ -47,6 +47,7 @@ def _code_form_model(path: Path, opset: int = 17) -> Path:
     w1 = constant("w1", rng.standard_normal((HIDDEN, FFN)).astype(np.float32))
     h = op("Relu", [op("MatMul", [y, w1])])
     w2 = constant("w2", rng.standard_normal((FFN, HIDDEN)).astype(np.float32))
+    nodes[-1].doc_string, nodes[-1].attribute[0].doc_string = "second layer", "kept with the node"
     nodes.append(oh.make_node("MatMul", [h, w2], ["out"]))
     graph = oh.make_graph(nodes, "code_form", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["b", HIDDEN])],
                           [oh.make_tensor_value_info("out", TensorProto.FLOAT, ["b", HIDDEN])])
@@ -73,6 +74,10 @@ def test_large_constants_are_not_decoded_and_are_copied_byte_for_byte(tmp_path: 
     assert not any(held[name].loaded for name in ("w1", "w2")), "saving read a weight instead of copying it"
     before, after = _constant_tensors(onnx.load(str(model))), _constant_tensors(onnx.load(str(out)))
     assert after["w1"] == before["w1"] and after["w2"] == before["w2"]
+    nodes_before, nodes_after = (
+        {n.output[0]: n.SerializeToString() for n in onnx.load(str(p)).graph.node if n.op_type == "Constant"}
+        for p in (model, out))
+    assert nodes_after["w1"] == nodes_before["w1"] and nodes_after["w2"] == nodes_before["w2"]
     onnx.checker.check_model(str(out), full_check=True)
     x = {"x": np.random.default_rng(1).standard_normal((3, HIDDEN)).astype(np.float32)}
     want, got = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, x)[0] for p in (model, out))
