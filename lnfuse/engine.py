@@ -486,6 +486,11 @@ def type_new_values(model: ir.Model, before: set[ir.Node]) -> set[str]:
                 untyped.append(node)
         if untyped:
             _infer_contrib(untyped, opsets, model.ir_version)
+        for value in (v for n in new for v in n.outputs):
+            if value.shape is not None and 0 in value.shape:
+                # a size of 0 inferred from a declared 0 dim is a claim the model may contradict at run time, and
+                # once written ONNX Runtime's load-time inference takes it as fact (a Reshape with -1 then fails)
+                value.shape = ir.Shape([None if d == 0 else d for d in value.shape])
         names.update(v.name for n in new for v in n.outputs if v.name and not _untyped(v))
     return names
 

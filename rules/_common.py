@@ -149,6 +149,9 @@ def channel_axis(axes: tuple[int, ...], node: ir.Node) -> int | None:
     """The one axis a channels-first norm normalizes (axis 1 of NCHW, or any single axis after the batch axis that
     is not the last), as a non-negative index; None when the axes are the trailing ones."""
     rank = rank_of(node.inputs[0])
+    if rank is not None and any(not -rank <= a < rank for a in axes):
+        # ONNX Runtime refuses such a model; an untrusted one still gets a refusal, not a crash
+        raise Refusal("axes", f"ReduceMean '{node.name}' reduces axes {list(axes)}, outside its input's rank {rank}")
     if len(axes) == 1 and axes[0] != -1 and rank is not None and axes[0] + rank >= 1:
         dim = list(node.inputs[0].shape)[axes[0]]
         if dim == 0:
