@@ -213,44 +213,96 @@ def _recording_inference():
             self.current = node
             return super()._onnx_infer_single_node(node)
 
+        def _preprocess(self, in_mp):
+            super()._preprocess(in_mp)
+            # the graph inputs' dims in order, before a merge renames them
+            dims = (d.dim_param for i in in_mp.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param)
+            self.input_order = {name: index for index, name in enumerate(dict.fromkeys(dims))}
+
         def _add_suggested_merge(self, symbols, apply=False):
-            if self.current is not None and not _safe_merge(symbols):
+            if self.current is not None and not _safe_merge(symbols, self.suggested_merge_):
                 self.assumed.append((self.current, [str(s) for s in symbols]))
-            return super()._add_suggested_merge(symbols, apply)
+            names = {_representative(s, self.suggested_merge_) for s in symbols}
+            super()._add_suggested_merge(symbols, apply)
+            self._rename_merged(names, apply)
+
+        def _rename_merged(self, names: set[str], apply: bool) -> None:
+            """ORT names merged dims after the first of the best kind (a number, an input's dim, a plain symbol, the
+            shortest expression) it meets in a set: an order that changes with the hash seed, and with it which
+            values carry an input's own dim name, and so what the rules can prove. The name kept is instead the
+            first of that kind in a fixed order: the graph inputs' order, then by name."""
+            merged = self.suggested_merge_
+            kept = _representative(next(iter(names)), merged)
+            if kept not in self.symbolic_dims_ or not all(_representative(n, merged) == kept for n in names):
+                return  # a number, or a merge ORT did not make
+            kind = self._kind(kept)
+            chosen = min((n for n in names if self._kind(n) == kind),
+                         key=lambda n: (self.input_order.get(n, len(self.input_order)), len(n), n))
+            if chosen == kept:
+                return
+            for name, into in list(merged.items()):
+                if into == kept:
+                    merged[name] = chosen
+            merged.pop(chosen, None)
+            merged[kept] = chosen
+            if apply and self.auto_merge_:
+                self._apply_suggested_merge()
+
+        def _kind(self, name: str) -> tuple:
+            if name in self.input_symbols_:
+                return (0,)
+            if type(self.symbolic_dims_.get(name)) is _ort_symbolic_shape_infer().sympy.Symbol:
+                return (1,)
+            return (2, len(name))
 
     return Recording
 
 
-def _rename_assumed_dims(model: onnx.ModelProto, assumed: list, merges: dict) -> None:
+def _rename_assumed_dims(model: onnx.ModelProto, assumed: list, merged: dict) -> None:
     """The output of a node where ORT assumed two dims equal gets a dim of its own there, so that no rule proves
-    the node's result the same shape as one of its inputs (a residual Add whose skip may broadcast). ORT merges
-    the symbols for the whole graph, and a later merge may rename them again (which one survives follows set
-    order, so Python's hash seed): the names looked for are the symbols and what they finally became."""
+    the node's result the same shape as one of its inputs (a residual Add whose skip may broadcast).
+
+    ORT goes on merging after the node, and renames the node's output to whichever name the final merge keeps:
+    the dims are found by that final name, not by the names the node saw."""
     values = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output)}
-    for index, (node, merged) in enumerate(assumed):
-        symbols = set(merged) | {str(merges[s]) for s in merged if s in merges}
+    for index, (node, symbols) in enumerate(assumed):
+        finals = {_representative(s, merged) for s in symbols}
         for name in node.output:
             value = values.get(name)
             if value is None or not value.type.tensor_type.HasField("shape"):
                 continue
             for dim in value.type.tensor_type.shape.dim:
-                if dim.dim_param in symbols or (dim.HasField("dim_value") and str(dim.dim_value) in symbols):
+                if dim.dim_param in finals or (dim.HasField("dim_value") and str(dim.dim_value) in finals):
                     dim.Clear()
                     dim.dim_param = f"lnfuse_broadcast_{index}"
 
 
-def _safe_merge(symbols) -> bool:
+def _representative(symbol, merged: dict) -> str:
+    """The name ORT's merges (``merged``: name -> the name it became) leave for ``symbol``."""
+    name, seen = str(symbol), set()
+    while name in merged and name not in seen:
+        seen.add(name)
+        name = str(merged[name])
+    return name
+
+
+def _safe_merge(symbols, merged: dict) -> bool:
     """Dims a broadcast may merge without assuming anything: equal already, 1 with anything, or a dim with its own
     clamp by a number (``Min(64, sequence)``: a position buffer sliced to the sequence is equal to it wherever the
-    Add runs at all)."""
-    rest = list(dict.fromkeys(str(d) for d in symbols if str(d) not in ("0", "1")))
-    return len(rest) <= 1 or (len(rest) == 2 and (_clamps(rest[0], rest[1]) or _clamps(rest[1], rest[0])))
+    Add runs at all). Names are compared as the merges so far (``merged``) left them."""
+    rest = sorted({_representative(d, merged) for d in symbols} - {"0", "1"})
+    return len(rest) <= 1 or (len(rest) == 2 and (_clamps(rest[0], rest[1], merged)
+                                                  or _clamps(rest[1], rest[0], merged)))
 
 
-def _clamps(bounded: str, dim: str) -> bool:
-    """Whether ``bounded`` is ``Min(n, dim)`` or ``Max(n, dim)`` for a number n."""
-    return any(re.fullmatch(pattern, bounded) for pattern in (
-        rf"(Min|Max)\(\d+, {re.escape(dim)}\)", rf"(Min|Max)\({re.escape(dim)}, \d+\)"))
+def _clamps(bounded: str, dim: str, merged: dict) -> bool:
+    """Whether ``bounded`` is ``Min(n, d)`` or ``Max(n, d)`` for a number n and a d merged with ``dim``."""
+    found = (re.fullmatch(r"(?:Min|Max)\((\d+), (.+)\)", bounded)
+             or re.fullmatch(r"(?:Min|Max)\((.+), (\d+)\)", bounded))
+    if found is None:
+        return False
+    inner = found.group(2) if found.group(1).isdigit() else found.group(1)
+    return _representative(inner, merged) == dim
 
 
 @contextlib.contextmanager
