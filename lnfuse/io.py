@@ -88,6 +88,9 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Pa
     repair(proto, where)  # what ONNX Runtime repairs itself (node order, domains, -1 dims), or its refusal
     max_opset = onnx.defs.onnx_opset_version()
     for imp in proto.opset_import:
+        if imp.version < 1:
+            raise InputError(f"{where}: opset {imp.version} of domain '{imp.domain or 'ai.onnx'}' is not a version "
+                             "(they start at 1); ONNX Runtime refuses it too; re-export the model")
         if imp.domain in ("", "ai.onnx") and imp.version > max_opset:
             raise InputError(f"{where}: opset {imp.version} is newer than this onnx supports ({max_opset}); "
                              "upgrade onnx or re-export at a lower opset")

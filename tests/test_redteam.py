@@ -53,3 +53,22 @@ def test_an_input_whose_types_onnx_runtime_refuses_is_refused(tmp_path: Path, ca
     assert len(err.strip().splitlines()) == 1 and "type" in err
     assert list(out.parent.iterdir()) == []
 
+
+@pytest.mark.parametrize("version", [0, -1])
+def test_an_opset_version_below_one_is_refused(tmp_path: Path, capsys, version: int):
+    # ONNX Runtime refuses it ("invalid model"); lnfuse wrote it back unchanged, failing the full checker
+    nodes = [oh.make_node("Relu", ["x"], ["y"])]
+    model = oh.make_model(oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])]),
+                          opset_imports=[oh.make_opsetid("", version)])
+    model.ir_version = 8
+    path = _save(model, tmp_path)
+    with pytest.raises(Exception):
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = tmp_path / "out" / "fused.onnx"
+    out.parent.mkdir()
+    code = main([str(path), "-o", str(out), "--target", "onnx", "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "opset" in err
+    assert list(out.parent.iterdir()) == []
