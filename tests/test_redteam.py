@@ -72,3 +72,31 @@ def test_an_opset_version_below_one_is_refused(tmp_path: Path, capsys, version: 
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and "opset" in err
     assert list(out.parent.iterdir()) == []
+
+
+def _relu_model(elem_type: int = TensorProto.FLOAT, inits=()) -> onnx.ModelProto:
+    model = oh.make_model(oh.make_graph([oh.make_node("Relu", ["x"], ["y"])], "g",
+                                        [oh.make_tensor_value_info("x", elem_type, [2, H])],
+                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])], list(inits)),
+                          opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_a_string_initializer_without_raw_data_is_checked_not_crashed_on(tmp_path: Path, capsys):
+    # a STRING tensor has no bit width: the well-formedness check raised TypeError (exit 3)
+    text = onnx.TensorProto(name="s", data_type=TensorProto.STRING)  # shape [], no value: corrupt
+    path = _save(_relu_model(inits=[text]), tmp_path)
+    code = main([str(path), "-o", str(tmp_path / "fused.onnx"), "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "string_data" in err
+
+
+def test_an_input_of_undefined_type_is_not_an_internal_error(tmp_path: Path, capsys):
+    # strict type inference raised ValueError ("Invalid tensor data type 0") out of the type check: exit 3
+    path = _save(_relu_model(elem_type=TensorProto.UNDEFINED), tmp_path)
+    code = main([str(path), "-o", str(tmp_path / "fused.onnx"), "--no-verify"])
+    err = capsys.readouterr().err
+    assert code in (0, 2), err
+    assert len(err.strip().splitlines()) <= 1
