@@ -110,7 +110,7 @@ def _check_tensor(tensor: onnx.TensorProto, path: str, where: str) -> None:
         field = onnx.helper.tensor_dtype_to_field(tensor.data_type)
         held, unit = len(getattr(tensor, field)), f"values in {field}"
         expected = elements * (2 if tensor.data_type in _COMPLEX else 1)
-        if ir.DataType(tensor.data_type).itemsize == 0.5:
+        if tensor.data_type != onnx.TensorProto.STRING and ir.DataType(tensor.data_type).itemsize == 0.5:
             expected = math.ceil(elements / 2)  # two 4-bit elements a value
     if held != expected:
         raise InputError(f"{said}: holds {held} {unit}, its shape {list(tensor.dims)} needs {expected}; the file "

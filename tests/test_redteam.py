@@ -1,0 +1,108 @@
+"""Red-team findings: each test is a hostile or malformed model that once made lnfuse accept what ONNX Runtime
+refuses, write an invalid model, or change what a model computes. Built here, run through the real CLI path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+
+from lnfuse.cli import main
+
+H = 8
+
+
+def _layer_norm_nodes(x: str = "x", y: str = "n") -> list[onnx.NodeProto]:
+    return [oh.make_node("ReduceMean", [x], ["m"], axes=[-1]), oh.make_node("Sub", [x, "m"], ["d"]),
+            oh.make_node("Pow", ["d", "two"], ["sq"]), oh.make_node("ReduceMean", ["sq"], ["var"], axes=[-1]),
+            oh.make_node("Add", ["var", "eps"], ["ve"]), oh.make_node("Sqrt", ["ve"], ["std"]),
+            oh.make_node("Div", ["d", "std"], [y])]
+
+
+def _save(model: onnx.ModelProto, folder: Path) -> Path:
+    path = folder / "model.onnx"
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_an_input_whose_types_onnx_runtime_refuses_is_refused(tmp_path: Path, capsys, target: str):
+    # a float16 constant added to a float32 tensor: onnx's basic checker passes it, ONNX Runtime refuses to load
+    # it ("Type parameter (T) bound to different types"), and a written copy would fail the full checker
+    nodes = _layer_norm_nodes() + [oh.make_node("Add", ["n", "half"], ["y"])]
+    inits = [onh.from_array(np.array(2.0, np.float32), "two"), onh.from_array(np.array(1e-5, np.float32), "eps"),
+             onh.from_array(np.ones([H], np.float16), "half")]
+    model = oh.make_model(oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])], inits),
+                          opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = _save(model, tmp_path)
+    with pytest.raises(Exception, match="bound to different types|Type Error"):
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = tmp_path / "out" / "fused.onnx"
+    out.parent.mkdir()
+    code = main([str(path), "-o", str(out), "--target", target, "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "type" in err
+    assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("version", [0, -1])
+def test_an_opset_version_below_one_is_refused(tmp_path: Path, capsys, version: int):
+    # ONNX Runtime refuses it ("invalid model"); lnfuse wrote it back unchanged, failing the full checker
+    nodes = [oh.make_node("Relu", ["x"], ["y"])]
+    model = oh.make_model(oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])]),
+                          opset_imports=[oh.make_opsetid("", version)])
+    model.ir_version = 8
+    path = _save(model, tmp_path)
+    with pytest.raises(Exception):
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = tmp_path / "out" / "fused.onnx"
+    out.parent.mkdir()
+    code = main([str(path), "-o", str(out), "--target", "onnx", "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "opset" in err
+    assert list(out.parent.iterdir()) == []
+
+
+def _relu_model(elem_type: int = TensorProto.FLOAT, inits=()) -> onnx.ModelProto:
+    model = oh.make_model(oh.make_graph([oh.make_node("Relu", ["x"], ["y"])], "g",
+                                        [oh.make_tensor_value_info("x", elem_type, [2, H])],
+                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])], list(inits)),
+                          opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_a_string_initializer_without_raw_data_is_checked_not_crashed_on(tmp_path: Path, capsys):
+    # a STRING tensor has no bit width: the well-formedness check raised TypeError (exit 3)
+    text = onnx.TensorProto(name="s", data_type=TensorProto.STRING)  # shape [], no value: corrupt
+    path = _save(_relu_model(inits=[text]), tmp_path)
+    code = main([str(path), "-o", str(tmp_path / "fused.onnx"), "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "string_data" in err
+
+
+def test_an_input_of_undefined_type_is_not_an_internal_error(tmp_path: Path, capsys):
+    # strict type inference raised ValueError ("Invalid tensor data type 0") out of the type check: exit 3
+    model = oh.make_model(oh.make_graph(
+        [oh.make_node("Gather", ["w", "ids"], ["y"])], "g",
+        [oh.make_tensor_value_info("ids", TensorProto.UNDEFINED, ["batch", "sequence"])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", H])],
+        [onh.from_array(np.ones([4, H], np.float32), "w")]), opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = _save(model, tmp_path)
+    code = main([str(path), "-o", str(tmp_path / "fused.onnx"), "--no-verify"])
+    err = capsys.readouterr().err
+    assert code in (0, 2), err
+    assert len(err.strip().splitlines()) <= 1
