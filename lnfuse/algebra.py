@@ -104,9 +104,10 @@ def power_ok(e: Fraction, p: Fraction) -> bool:
 
 
 def key(value: ir.Value, depth: int = _KEY_DEPTH) -> tuple:
-    """Equal keys: the values are computed by the same pure ops from the same inputs."""
+    """Equal keys: the values are computed by the same pure ops from the same inputs. Only ONNX's own ops are known
+    pure: another domain's op may be random or stateful, so each of its results is a value of its own."""
     node = value.producer()
-    if node is None or depth == 0 or node.op_type in _IMPURE or node.op_type == "Constant" or \
+    if node is None or depth == 0 or not _is_onnx(node) or node.op_type in _IMPURE or node.op_type == "Constant" or \
             any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) or a.is_ref()
                 for a in node.attributes.values()):
         return ("value", id(value))

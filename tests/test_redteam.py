@@ -106,3 +106,19 @@ def test_an_input_of_undefined_type_is_not_an_internal_error(tmp_path: Path, cap
     err = capsys.readouterr().err
     assert code in (0, 2), err
     assert len(err.strip().splitlines()) <= 1
+
+
+def test_ops_of_other_domains_are_never_taken_for_the_same_value():
+    """Two identical nodes of another domain may be random or stateful (a contrib dropout): the normal form must not
+    merge them into one factor (with --no-verify, only this stands between them and a wrong norm)."""
+    import onnx_ir as ir
+
+    from lnfuse.algebra import key
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 4]))
+    a = ir.Node("com.example", "Noise", [x], num_outputs=1)
+    b = ir.Node("com.example", "Noise", [x], num_outputs=1)
+    same_a = ir.Node("", "Relu", [x], num_outputs=1)
+    same_b = ir.Node("", "Relu", [x], num_outputs=1)
+    assert key(a.outputs[0]) != key(b.outputs[0])
+    assert key(same_a.outputs[0]) == key(same_b.outputs[0])
