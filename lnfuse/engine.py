@@ -487,12 +487,24 @@ def type_new_values(model: ir.Model, before: set[ir.Node]) -> set[str]:
         if untyped:
             _infer_contrib(untyped, opsets, model.ir_version)
         for value in (v for n in new for v in n.outputs):
-            if value.shape is not None and 0 in value.shape:
-                # a size of 0 inferred from a declared 0 dim is a claim the model may contradict at run time, and
-                # once written ONNX Runtime's load-time inference takes it as fact (a Reshape with -1 then fails)
-                value.shape = ir.Shape([None if d == 0 else d for d in value.shape])
+            if value.shape is not None:
+                value.shape = _plausible(value.shape)
         names.update(v.name for n in new for v in n.outputs if v.name and not _untyped(v))
     return names
+
+
+#: no real tensor has this many elements; a larger static shape comes from a declared dim nothing checks
+_MAX_PLAUSIBLE_ELEMENTS = 1 << 40
+
+
+def _plausible(shape: ir.Shape) -> ir.Shape:
+    """The shape with sizes no run can have left unknown: 0 or a product past ``_MAX_PLAUSIBLE_ELEMENTS``, inferred
+    from a declared input dim (``[batch, 0]``, ``[batch, 2**62]``). Written on lnfuse's values, ONNX Runtime's
+    load-time inference would take them as fact and refuse the model (a Reshape's -1, a product overflow)."""
+    dims = [None if d == 0 else d for d in shape]
+    if math.prod(d for d in dims if isinstance(d, int)) > _MAX_PLAUSIBLE_ELEMENTS:
+        dims = [d if not isinstance(d, int) or i == len(dims) - 1 else None for i, d in enumerate(dims)]
+    return shape if dims == list(shape) else ir.Shape(dims)
 
 
 def _untyped(value: ir.Value) -> bool:
