@@ -490,7 +490,7 @@ def test_fuzz_cases_through_the_process(seeds, tmp_path: Path):
 #: (series, case) of mutants that long campaigns found broken, kept as regressions once fixed: ReduceMean axes
 #: outside the input's rank reached the channels-first check (exit 3); a declared 0 or 2**62 dim typed into the
 #: fused outputs made ONNX Runtime refuse the written model; a STRING tensor's length check (exit 3)
-FOUND = ((2, 3808), (2, 2876), (3, 14181), (3, 12068))
+FOUND = ((2, 3808), (2, 2876), (3, 14181), (3, 12068), (4, 19930))
 
 
 @pytest.mark.parametrize("series, case", FOUND)
