@@ -331,3 +331,34 @@ def test_the_cli_on_a_norm_split_across_scopes_exits_0_with_a_valid_model(tmp_pa
         if target == "onnx":
             onnx.checker.check_model(fused, full_check=True)
         _same_everywhere(model, fused, sizes=(2,))
+
+
+# ---- where the numbers may still differ (docs/guarantees.md): measured, so a change of behaviour shows ----------
+
+def test_a_cancelling_variance_spelling_gives_nan_where_the_fused_kernel_is_accurate():
+    # var = E[x²] - E[x]² (the ONNX function body's spelling) of a row with mean 100 and spread 0.01 goes negative
+    # in float32; the fused LayerNormalization computes that row accurately
+    nodes = [_node("ReduceMean", ["x"], "m", axes=[-1]), _node("Mul", ["x", "x"], "sq"),
+             _node("ReduceMean", ["sq"], "ex2", axes=[-1]), _node("Mul", ["m", "m"], "m2"),
+             _node("Sub", ["ex2", "m2"], "var"), _node("Add", ["var", "eps"], "ve"), _node("Sqrt", ["ve"], "std"),
+             _node("Sub", ["x", "m"], "d"), _node("Div", ["d", "std"], "y")]
+    model = _model(nodes, inits=[_const("eps", 0.0)])
+    fused = lnfuse.fuse(model).model
+    assert op_types(fused) == ["LayerNormalization"]
+    x = (np.random.default_rng(0).standard_normal([4, H]) * 0.01 + 100).astype(np.float32)
+    exact = (x - x.astype(np.float64).mean(-1, keepdims=True)) / x.astype(np.float64).std(-1, keepdims=True)
+    assert np.isnan(session(model).run(None, {"x": x})[0]).any()
+    np.testing.assert_allclose(session(fused).run(None, {"x": x})[0], exact, atol=2e-3)
+
+
+def test_a_size_one_axis_the_original_broadcasts_makes_the_fused_op_fail_loudly():
+    # the normalized dim is unknown when fusing (here a symbolic dim that verification sizes like gamma): the fused
+    # op takes gamma's width; where the original broadcasts a size-1 axis against gamma, the fused op raises
+    model = _model(_norm(), inputs=[_io("x", ["B", str(H)])])
+    fused = lnfuse.fuse(model).model
+    assert op_types(fused) == ["LayerNormalization"]
+    x = np.random.default_rng(0).standard_normal([3, 1]).astype(np.float32)
+    beta = np.broadcast_to(np.linspace(-1.0, 1.0, H), [3, H])  # the norm of one element is 0: y = beta
+    np.testing.assert_allclose(session(model).run(None, {"x": x})[0], beta, atol=1e-6)
+    with pytest.raises(Exception, match="Scale and \\(optional\\) bias must match"):
+        session(fused).run(None, {"x": x})
