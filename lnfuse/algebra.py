@@ -169,8 +169,9 @@ def _scalar(value: ir.Value | None, node: ir.Node) -> Fraction | None:
     if value is None or value.shape is None or not value.shape.is_static() or \
             any(int(d) != 1 for d in value.shape):
         return None
-    out = node.outputs[0]
-    if len(value.shape) > 0 and (out.shape is None or len(out.shape) < len(value.shape)):
+    # the result always has the constant's rank: it is the other operand's rank that must be at least as large
+    others = [v for v in node.inputs if v is not None and v is not value] or [value]
+    if len(value.shape) > 0 and any(v.shape is None or len(v.shape) < len(value.shape) for v in others):
         return None
     array = static_value(value)
     if array is None or array.dtype.kind not in "fiu":

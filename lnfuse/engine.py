@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -212,8 +212,10 @@ def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir
             stage, m = 0, _Reads.of(m)
             try:
                 _no_function_attributes(m)
+                check_in_scope(m.nodes, position)
                 replacement = rule.build(m, ctx)
                 stage = 1
+                check_in_scope(replacement.region, position)
                 check_intermediates(replacement)
                 stage = 2
                 check_no_cycle(replacement, position)
@@ -237,6 +239,16 @@ def _no_function_attributes(m: Match) -> None:
             if attr.is_ref():
                 raise Refusal("attribute", f"{node.op_type} '{node.name}' takes '{attr.name}' from the function's "
                               f"attribute '{attr.ref_attr_name}', known only at each call")
+
+
+def check_in_scope(nodes: Iterable[ir.Node], position: Mapping[ir.Node, float]) -> None:
+    """Every node a rewrite deletes is in the graph being rewritten (``position`` holds its nodes): a match that
+    climbs out of a branch through an outer-scope value, or a reader inside a branch, is in another graph, where
+    one fused node cannot stand for both."""
+    for node in nodes:
+        if node not in position:
+            raise Refusal("scope", f"{node.op_type} '{_label(node)}' is part of the norm but lies in another graph "
+                          "(a subgraph reads it by outer-scope name, or it is read from one)")
 
 
 def check_intermediates(rep: Replacement) -> None:

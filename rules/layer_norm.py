@@ -110,6 +110,8 @@ class LayerNorm(Rule):
         if m.node("unflatten") is not None:
             if abs(scale - 1) > 1e-6:
                 raise Refusal("gamma", f"the flattened norm is scaled by {scale:g}")
+            if k != 1:  # the axes after Flatten's are the 2-D norm's last axis, not all of it
+                raise Refusal("axes", f"the flattened norm reduces {k} axes of the 2-D Flatten output, not its last")
             x, y, k, gamma, beta = _unflatten(m, ctx, b)
         else:
             gamma, beta = layout_params(m, ctx, b, k, scale, channel)
