@@ -1,0 +1,199 @@
+"""The graphs other tools' own test suites fuse (sample_models/peer_cases, made by make_peer_cases.py; README.md
+there names each test): lnfuse fuses at least what the peer's test expects, with --target ort and with --target onnx
+where the opset has the op, writes what the checker passes (or, for ONNX Runtime's own ops, what ORT loads), and
+ORT computes what the original computes."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import lnfuse
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
+FOLDER = SAMPLES / "peer_cases"
+
+LN, SLN, RMS = "LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization"
+SKIP, SKIP_SLN, EMBED = "SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "EmbedLayerNormalization"
+NORMS = (LN, SLN, RMS, SKIP, SKIP_SLN, EMBED)
+_ORT_ONLY = {SLN, SKIP, SKIP_SLN, EMBED}
+
+#: what each peer's test expects fused in its graph (--target ort); lnfuse must fuse at least as deep
+EXPECTED = {
+    # onnxscript rules/fusion/_layer_norm_test.py and _layer_norm_extended_test.py
+    **{case: {LN: 1} for case in ("os_ln_recip", "os_ln_recip_bias", "os_ln_pow_recip", "os_ln_div",
+                                  "os_ln_pow_div", "os_ln_div_bias", "os_ln_double")},
+    "os_ln_fp16": {},  # onnxscript refuses float16 input; lnfuse fuses it (verified)
+    # onnxscript ort_fusions/rms_normalization_unit_test.py (SimplifiedLayerNormalization) and
+    # rules/fusion/_rms_normalization*_test.py (RMSNormalization, opset 23)
+    **{case: {SLN: 1} for case in ("os_rms_scale_first", "os_rms_norm_first", "os_rms_cast_fp16",
+                                   "os_rms_double")},
+    "os_rms_int_input": {},  # onnxscript refuses an int input cast to float; lnfuse fuses after the Cast
+    "os_rms_rank1_op23": {RMS: 1},
+    # onnxscript ort_fusions/skip_normalization_unit_test.py
+    **{case: {SKIP_SLN: 1, SLN: 0} for case in ("os_skip_sln_input_skip", "os_skip_sln_skip_input",
+                                                "os_skip_sln_post_bias", "os_skip_sln_pre_bias")},
+    **{case: {SKIP: 1, LN: 0} for case in ("os_skip_ln_input_skip", "os_skip_ln_post_bias")},
+    "os_skip_sln_rank2": {},  # onnxscript wants rank 3; ORT's Skip kernels take [S, D] too
+    "os_sln_no_add": {SLN: 1},
+    # ORT python optimizer: test_attention_fusion (bert/gpt2 generators), test_optimizer, test_phi_vision
+    **{case: {SKIP: 2, LN: 0} for case in ("ort_bert_attention_skip", "ort_bert_attention_skip_switched",
+                                           "ort_gpt2_attention_skip", "ort_gpt2_attention_skip_switched",
+                                           "ort_phi_vision_attention_layernorm")},
+    "ort_gpt2_past_pt15_op11": {LN: 5},  # 2 layers: 2 * 2 + 1 (the test's 12 layers: 25)
+    "ort_keras2onnx_bert_op11": {SKIP: 5},  # 2 layers: 2 * 2 + the embedding sum's norm (12 layers: 25)
+    "ort_phi_vision_layernorm_fp16": {LN: 1},
+}
+
+#: where lnfuse refuses what the peer fuses, and the check that says why (docs/compare.md, "Peers' test cases")
+REFUSED = {
+    # a float64 norm's epsilon cannot be written in the fused ops' float32 epsilon attribute: the peer's fusion
+    # changes 1e-5 to 9.99999974737875e-06 (up to 1.2e-8 relative on the output, 10^7 float64 ulps)
+    "os_ln_double": "epsilon",
+    "os_rms_double": "epsilon",
+}
+
+CASES = sorted(p.stem for p in FOLDER.glob("*.onnx"))
+
+
+def test_every_shipped_case_has_an_expectation():
+    assert set(CASES) == set(EXPECTED)
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for info in model.graph.input:
+        tensor = info.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else 3 for d in tensor.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        values = rng.integers(-4, 5, shape) if np.issubdtype(dtype, np.integer) else rng.standard_normal(shape)
+        feeds[info.name] = values.astype(dtype)
+    return feeds
+
+
+def _counts(model: onnx.ModelProto) -> Counter:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def _assert_at_least(counts: Counter, expected: dict[str, int]) -> None:
+    """As many norms fused as the peer fuses, each at least as deep (a Skip op also holds the norm the peer leaves
+    as a separate LayerNormalization), and no decomposed norm left."""
+    assert counts["ReduceMean"] == 0
+    for op, want in expected.items():
+        if want == 0:
+            assert counts[op] == 0, op
+    residual = (SKIP, SKIP_SLN, EMBED)
+    assert sum(counts[op] for op in residual) >= sum(expected.get(op, 0) for op in residual)
+    assert sum(counts[op] for op in NORMS) >= sum(expected.values())
+
+
+def _assert_same_outputs(original: onnx.ModelProto, fused: onnx.ModelProto) -> None:
+    feeds = _feeds(original)
+    for got, want in zip(_session(fused).run(None, feeds), _session(original).run(None, feeds)):
+        tolerance = 2e-2 if want.dtype == np.float16 else 1e-4
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tolerance, atol=tolerance)
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next(i.version for i in model.opset_import if i.domain in ("", "ai.onnx"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fuses_at_least_what_the_peer_expects(case: str):
+    original = onnx.load(FOLDER / f"{case}.onnx")
+    _session(original)  # the case is a model ONNX Runtime loads
+    result = lnfuse.fuse(original)
+    counts = _counts(result.model)
+    if case in REFUSED:
+        assert not any(counts[op] for op in NORMS)
+        assert {u.check for u in result.report.unfused} == {REFUSED[case]}, result.report.unfused
+    else:
+        _assert_at_least(counts, EXPECTED[case])
+        assert not result.report.unfused, result.report.unfused
+    if not _ort_only_ops(result.model):
+        onnx.checker.check_model(result.model, full_check=True)
+    _assert_same_outputs(original, result.model)
+
+
+def _ort_only_ops(model: onnx.ModelProto) -> set[str]:
+    """ONNX Runtime's own ops: its contrib ops, and LayerNormalization below opset 17 (ORT has one there)."""
+    ops = set(_counts(model))
+    return (ops & _ORT_ONLY) | ({LN} & ops if _opset(model) < 17 else set())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_target_onnx_where_the_opset_has_the_op(case: str):
+    original = onnx.load(FOLDER / f"{case}.onnx")
+    result = lnfuse.fuse(original, target="onnx")
+    counts = _counts(result.model)
+    assert not (_ORT_ONLY & set(counts)) - set(_counts(original)), "no ONNX Runtime op written"
+    wanted = sum(EXPECTED[case].values())
+    opset = _opset(original)
+    has_rms = any(op in (SLN, SKIP_SLN) for op in EXPECTED[case]) or case.startswith("os_rms")
+    if case in REFUSED or (has_rms and opset < 23) or opset < 17:
+        assert all(u.check in ("opset", "epsilon") for u in result.report.unfused), result.report.unfused
+    elif not case.startswith(("os_skip_sln", "os_sln")):  # ORT's SimplifiedLayerNormalization is given
+        assert counts["ReduceMean"] == 0
+        assert counts[LN] + counts[RMS] >= wanted
+        onnx.checker.check_model(result.model, full_check=True)
+    _assert_same_outputs(original, result.model)
+
+
+def test_opset_upgrade_fuses_the_old_opset_cases_as_onnx_ops():
+    """The opset-11/14 cases (ORT's tests) need --upgrade-opset for --target onnx: then every norm is a
+    LayerNormalization and the model passes the full checker."""
+    for case in ("ort_gpt2_past_pt15_op11", "ort_keras2onnx_bert_op11", "ort_phi_vision_layernorm_fp16"):
+        original = onnx.load(FOLDER / f"{case}.onnx")
+        result = lnfuse.fuse(original, target="onnx", upgrade_opset=True)
+        counts = _counts(result.model)
+        assert counts["ReduceMean"] == 0 and counts[LN] == sum(EXPECTED[case].values()), (case, counts)
+        onnx.checker.check_model(result.model, full_check=True)
+        _assert_same_outputs(original, result.model)
+
+
+def test_output_declared_without_a_shape_is_read_as_ort_reads_it():
+    """make_tensor_value_info(name, type, None): ORT loads the model, onnx's checker wants the shape field. lnfuse
+    declares the shape inference finds and fuses."""
+    model = onnx.load(FOLDER / "os_ln_div_bias.onnx")
+    model.graph.output[0].type.tensor_type.ClearField("shape")
+    with pytest.raises(onnx.checker.ValidationError, match="shape"):
+        onnx.checker.check_model(model)
+    _session(model)
+    result = lnfuse.fuse(model, target="onnx")
+    assert _counts(result.model)[LN] == 1
+    assert [d.dim_value for d in result.model.graph.output[0].type.tensor_type.shape.dim] == [2, 4, 8]
+    onnx.checker.check_model(result.model, full_check=True)
+    _assert_same_outputs(model, result.model)
+
+
+@pytest.fixture(scope="module")
+def exporter_samples():
+    sys.path.insert(0, str(SAMPLES))
+    try:
+        import make_exporter_samples
+    finally:
+        sys.path.remove(str(SAMPLES))
+    return make_exporter_samples
+
+
+def test_onnxscript_bart_encoder(exporter_samples, tmp_path):
+    """onnxscript's skip_normalization_test (bart encoder): SkipLayerNormalization expected. lnfuse also writes the
+    embedding block as EmbedLayerNormalization."""
+    path = exporter_samples.onnxscript_model("_bart_encoder", tmp_path, seed=1)
+    counts = _counts(lnfuse.fuse(str(path)).model)
+    assert counts["ReduceMean"] == 0
+    assert (counts[EMBED], counts[SKIP], counts[LN]) == (1, 4, 0), counts
+
