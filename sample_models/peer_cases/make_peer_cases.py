@@ -285,6 +285,65 @@ def _phi_vision_models() -> dict[str, onnx.ModelProto]:
     }
 
 
+# =============================================== ORT python optimizer: test_skip_layer_norm_fusion.py
+
+def _ort_skip_fusion(graph_output: bool, bias: int = 0, cast: bool = False) -> onnx.ModelProto:
+    """Add(input_1, input_2) -> LayerNormalization (opset 16: ONNX Runtime's own LayerNormalization) on
+    [1, 2, 3]; the sum also a graph output or not; one addend MatMul(input_0, W) + bias (`bias` 1 or 2 says which),
+    with input_0 and W in float16 and a Cast to float before the bias Add when `cast`. ORT expects one
+    SkipLayerNormalization and no Add (the bias becomes the Skip op's bias input; the Cast stays)."""
+    g = Graph(6)
+    shape = [1, 2, 3]
+    addends = {1: "input_1", 2: "input_2"}
+    for index, name in addends.items():
+        if index != bias:
+            g.input(name, F32, shape)
+    if bias:
+        x = g.input("input_0", F16 if cast else F32, shape)
+        product = g.op("MatMul", x, g.weight([3, 3], np.float16 if cast else np.float32, "matmul_weight"))
+        if cast:
+            product = g.op("Cast", product, to=F32)
+        addends[bias] = g.op("Add", product, g.weight([3], hint="bias"))
+    total = g.op("Add", addends[1], addends[2])
+    y = g.op("LayerNormalization", total, g.weight([3], hint="layer_norm_weight"),
+             g.weight([3], hint="layer_norm_bias"), axis=-1, epsilon=9.999999747378752e-06)
+    outputs = [(y, F32, shape)] + ([(total, F32, shape)] if graph_output else [])
+    return g.model(outputs, 16)
+
+
+# ========================================== ORT python optimizer: test_embedlayer_fusion.py (gpt2 generator)
+
+def _ort_gpt2_embedlayer(skip_op: bool, output_sum: bool, hidden: int = 16) -> onnx.ModelProto:
+    """gpt2_model_generator.create_gpt2_embedlayer: int32 `ids` [batch, seq] index the word (101 rows), position
+    (100) and token-type (10) tables alike; word + position, then + token-type and the norm, written as ONNX
+    Runtime's SkipLayerNormalization (no com.microsoft import, as the generator writes it) or as Add +
+    LayerNormalization at opset 16, epsilon 0.1; the sum also a graph output or not. The norm feeds q/k/v MatMuls
+    summed, then a SkipLayerNormalization with a bias. ORT expects EmbedLayerNormalization (ids as input, segment
+    and position ids) and the attention's SkipLayerNormalization."""
+    g = Graph(7)
+    ids = g.input("ids", I32, ["batch_size", "sequence_length"])
+    word, pos, token = (g.weight([rows, hidden], hint=name) for rows, name in
+                        ((101, "word_embeddings_weight"), (100, "pos_embeddings_weight"),
+                         (10, "token_embeddings_weight")))
+    gamma, beta = g.weight([hidden], hint="layernorm_weight"), g.weight([hidden], hint="layernorm_bias")
+    first = g.op("Add", g.op("Gather", word, ids), g.op("Gather", pos, ids))
+    token_rows = g.op("Gather", token, ids)
+    if skip_op:
+        norm, _, _, total = g.op("SkipLayerNormalization", first, token_rows, gamma, beta, domain="com.microsoft",
+                                 outputs=4, epsilon=0.1)
+        if not output_sum:
+            del g.nodes[-1].output[1:]  # the generator names the sum output only when it is a graph output
+    else:
+        total = g.op("Add", first, token_rows)
+        norm = g.op("LayerNormalization", total, gamma, beta, epsilon=0.1)
+    qkv = [g.op("MatMul", norm, g.weight([hidden, hidden], hint=f"{n}_weight")) for n in "qkv"]
+    attention = g.op("Add", g.op("Add", qkv[0], qkv[1]), qkv[2])
+    y = g.op("SkipLayerNormalization", norm, attention, gamma, beta, g.weight([hidden], hint="dense_bias"),
+             domain="com.microsoft", epsilon=0.1)
+    shape = ["batch_size", "sequence_length", hidden]
+    return g.model([(y, F32, shape)] + ([(total, F32, shape)] if output_sum else []), 16)
+
+
 # ================================================================================================ registry
 
 CASES: dict[str, Callable[[], onnx.ModelProto]] = {
@@ -316,6 +375,15 @@ CASES: dict[str, Callable[[], onnx.ModelProto]] = {
     "ort_gpt2_attention_skip_switched": lambda: _ort_attention_block(gpt2=True, switch=True),
     "ort_gpt2_past_pt15_op11": _ort_gpt2_past,
     "ort_keras2onnx_bert_op11": _ort_keras_bert,
+    "ort_gpt2_embedlayer": lambda: _ort_gpt2_embedlayer(skip_op=True, output_sum=False),
+    "ort_gpt2_embedlayer_output_sum": lambda: _ort_gpt2_embedlayer(skip_op=True, output_sum=True),
+    "ort_gpt2_embedlayer_add_layernorm": lambda: _ort_gpt2_embedlayer(skip_op=False, output_sum=False),
+    "ort_skip_fusion_no_graph_output": lambda: _ort_skip_fusion(graph_output=False),
+    "ort_skip_fusion_graph_output": lambda: _ort_skip_fusion(graph_output=True),
+    "ort_skip_fusion_graph_output_bias1": lambda: _ort_skip_fusion(graph_output=True, bias=1),
+    "ort_skip_fusion_graph_output_bias2": lambda: _ort_skip_fusion(graph_output=True, bias=2),
+    "ort_skip_fusion_graph_output_cast_bias1": lambda: _ort_skip_fusion(graph_output=True, bias=1, cast=True),
+    "ort_skip_fusion_graph_output_cast_bias2": lambda: _ort_skip_fusion(graph_output=True, bias=2, cast=True),
 }
 TORCH_CASES = ("ort_phi_vision_layernorm_fp16", "ort_phi_vision_attention_layernorm")
 
