@@ -78,7 +78,7 @@ def _reduce_mean(g: Graph, x: str, opset: int, axes=(-1,)) -> str:
 
 def _onnxscript_ln(square: str, normalize: str, bias: bool, dtype=np.float32, elem=F32) -> onnx.ModelProto:
     """mean, d = x - mean, d*d or d**2 (the literal 2 an int64 exponent), var, sqrt(var + eps), then d * Reciprocal(std) or d / std, * scale
-    (+ bias): [2, 4, 8] at opset 18, epsilon a Constant node of 1e-5 (float, whatever x's type)."""
+    (+ bias): [2, 4, 8] at opset 18, epsilon a Constant node of 1e-5; scale and bias are graph inputs."""
     g = Graph()
     x = g.input("x", elem, [2, 4, 8])
     mean = _reduce_mean(g, x, 18)
@@ -88,9 +88,9 @@ def _onnxscript_ln(square: str, normalize: str, bias: bool, dtype=np.float32, el
     eps = g.op("Constant", value=onh.from_array(np.array(1e-5, dtype=dtype), "eps"))
     std = g.op("Sqrt", g.op("Add", var, eps))
     n = g.op("Mul", d, g.op("Reciprocal", std)) if normalize == "recip" else g.op("Div", d, std)
-    y = g.op("Mul", n, g.weight([8], dtype, "scale"))
+    y = g.op("Mul", n, g.input("scale", elem, [8]))
     if bias:
-        y = g.op("Add", y, g.weight([8], dtype, "bias"))
+        y = g.op("Add", y, g.input("bias", elem, [8]))
     return g.model([(y, elem, [2, 4, 8])], 18)
 
 
@@ -99,8 +99,8 @@ def _onnxscript_ln(square: str, normalize: str, bias: bool, dtype=np.float32, el
 def _onnxscript_rms(scale_first: bool, dtype=np.float32, elem=F32, cast_io: bool = False, int_input: bool = False,
                     opset: int = 18, shape=("B", "S", 16)) -> onnx.ModelProto:
     """x**2.0, ReduceMean(axes [-1]), + eps (1e-6 constant [1]), Sqrt, Reciprocal, x * inv, * scale (either
-    order); the mixed-precision form casts fp16 x to fp32 first and the normalized value back before the fp16
-    scale."""
+    order; scale a graph input); the mixed-precision form casts fp16 x to fp32 first and the normalized value back
+    before the fp16 scale."""
     g = Graph(1)
     x = g.input("x", I32 if int_input else (F16 if cast_io else elem), list(shape))
     xf = g.op("Cast", x, to=F32) if (cast_io or int_input) else x
@@ -111,7 +111,7 @@ def _onnxscript_rms(scale_first: bool, dtype=np.float32, elem=F32, cast_io: bool
     n = g.op("Mul", xf, inv)
     if cast_io:
         n = g.op("Cast", n, to=F16)
-    scale = g.weight([shape[-1]], np.float16 if cast_io else dtype, "scale")
+    scale = g.input("scale", F16 if cast_io else elem, [shape[-1]])
     y = g.op("Mul", scale, n) if scale_first else g.op("Mul", n, scale)
     return g.model([(y, F16 if cast_io else elem, list(shape))], opset)
 
@@ -120,7 +120,8 @@ def _onnxscript_rms(scale_first: bool, dtype=np.float32, elem=F32, cast_io: bool
 
 def _onnxscript_skip(norm: str, order: str, rank: int = 3) -> onnx.ModelProto:
     """Add(input, skip) (or skip + input; or with a bias added after the sum, or to input before it), then an
-    existing SimplifiedLayerNormalization / LayerNormalization (axis -1, epsilon 1e-6, stash_type 1)."""
+    existing SimplifiedLayerNormalization / LayerNormalization (axis -1, epsilon 1e-6, stash_type 1); gamma, beta
+    and bias are graph inputs."""
     g = Graph(2)
     shape = [B, 8, 16] if rank == 3 else [8, 16]
     x = g.input("input", F32, shape)
@@ -130,16 +131,16 @@ def _onnxscript_skip(norm: str, order: str, rank: int = 3) -> onnx.ModelProto:
     elif order == "skip_input":
         total = g.op("Add", skip, x)
     elif order == "pre_bias":
-        total = g.op("Add", g.op("Add", x, g.weight([16], hint="bias")), skip)
+        total = g.op("Add", g.op("Add", x, g.input("bias", F32, [16])), skip)
     else:
         total = g.op("Add", x, skip)
         if order == "post_bias":
-            total = g.op("Add", total, g.weight([16], hint="bias"))
-    gamma = g.weight([16], hint="gamma")
+            total = g.op("Add", total, g.input("bias", F32, [16]))
+    gamma = g.input("gamma", F32, [16])
     if norm == "rms":
         y = g.op("SimplifiedLayerNormalization", total, gamma, axis=-1, epsilon=1e-6, stash_type=1)
     else:
-        y = g.op("LayerNormalization", total, gamma, g.weight([16], hint="beta"), axis=-1, epsilon=1e-6,
+        y = g.op("LayerNormalization", total, gamma, g.input("beta", F32, [16]), axis=-1, epsilon=1e-6,
                  stash_type=1)
     return g.model([(y, F32, shape)], 18)
 
