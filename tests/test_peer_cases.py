@@ -49,6 +49,10 @@ EXPECTED = {
     "ort_gpt2_past_pt15_op11": {LN: 5},  # 2 layers: 2 * 2 + 1 (the test's 12 layers: 25)
     "ort_keras2onnx_bert_op11": {SKIP: 5},  # 2 layers: 2 * 2 + the embedding sum's norm (12 layers: 25)
     "ort_phi_vision_layernorm_fp16": {LN: 1},
+    # ORT C++ fusion test generators under testdata/transform/fusion not in sample_models/ort_fusion
+    "ort_ln_without_scale_bias_op12": {LN: 1},
+    "ort_ln_fp16_op10": {LN: 1},
+    "ort_sln_fp16_pow_edge_op12": {},
     # ORT python optimizer: test_embedlayer_fusion.py (gpt2_model_generator.create_gpt2_embedlayer)
     **{f"ort_gpt2_embedlayer{v}": {EMBED: 1, SKIP: 1, "Gather": 0} for v in ("", "_output_sum", "_add_layernorm")},
     # ORT python optimizer: test_skip_layer_norm_fusion.py (the bias Add becomes the Skip op's bias; a Cast stays)
@@ -57,12 +61,14 @@ EXPECTED = {
     **{f"ort_skip_fusion_graph_output_cast_bias{i}": {SKIP: 1, LN: 0, "Add": 0, "Cast": 1} for i in (1, 2)},
 }
 
-#: where lnfuse refuses what the peer fuses, and the check that says why (docs/compare.md, "Peers' test cases")
+#: where lnfuse refuses what the peer fuses (or what no one fuses), and the check that says why (docs/compare.md, "Peers' test cases")
 REFUSED = {
     # a float64 norm's epsilon cannot be written in the fused ops' float32 epsilon attribute: the peer's fusion
     # changes 1e-5 to 9.99999974737875e-06 (up to 1.2e-8 relative on the output, 10^7 float64 ulps)
     "os_ln_double": "epsilon",
     "os_rms_double": "epsilon",
+    # ORT's edge case for its fuser (no peer fuses it): the epsilon is a graph input and the scale one number per row
+    "ort_sln_fp16_pow_edge_op12": "epsilon",
 }
 
 CASES = sorted(p.stem for p in FOLDER.glob("*.onnx"))
@@ -162,7 +168,8 @@ def test_target_onnx_where_the_opset_has_the_op(case: str):
 def test_opset_upgrade_fuses_the_old_opset_cases_as_onnx_ops():
     """The opset-11/14 cases (ORT's tests) need --upgrade-opset for --target onnx: then every norm is a
     LayerNormalization and the model passes the full checker."""
-    for case in ("ort_gpt2_past_pt15_op11", "ort_keras2onnx_bert_op11", "ort_phi_vision_layernorm_fp16"):
+    for case in ("ort_gpt2_past_pt15_op11", "ort_keras2onnx_bert_op11", "ort_phi_vision_layernorm_fp16",
+                 "ort_ln_without_scale_bias_op12", "ort_ln_fp16_op10"):
         original = onnx.load(FOLDER / f"{case}.onnx")
         result = lnfuse.fuse(original, target="onnx", upgrade_opset=True)
         counts = _counts(result.model)
@@ -217,3 +224,24 @@ def test_existing_skip_op_with_a_bias_over_lookups_stays():
     assert (counts[EMBED], counts[SKIP]) == (0, 2), counts
     assert [u.check for u in result.report.unfused] == ["bias"], result.report.unfused
     _assert_same_outputs(model, result.model)
+
+
+@pytest.mark.parametrize("scale_dim,fused", [("H", True), ("K", False), (None, False)])
+def test_run_time_scale_of_the_named_hidden_dim(scale_dim, fused):
+    """A run-time scale declared [H] for an input [B, S, H] is of the normalized dims themselves (ORT's
+    layer_norm_fp16 test model: X [M, N], Scale [N]); one of another named or an unnamed dim is not known to be."""
+    sys.path.insert(0, str(FOLDER))
+    try:
+        import make_peer_cases as mp
+    finally:
+        sys.path.remove(str(FOLDER))
+    g = mp.Graph(0)
+    x = g.input("x", mp.F32, ["B", "S", "H"])
+    mean_square = g.op("ReduceMean", g.op("Mul", x, x), g.const([-1], np.int64), keepdims=1)
+    n = g.op("Div", x, g.op("Sqrt", g.op("Add", mean_square, g.const(1e-6))))
+    y = g.op("Mul", g.input("w", mp.F32, [scale_dim]), n)
+    model = g.model([(y, mp.F32, ["B", "S", "H"])], 18)
+    result = lnfuse.fuse(model)
+    assert _counts(result.model)[SLN] == int(fused), result.report.unfused
+    if fused:
+        _assert_same_outputs(model, result.model)

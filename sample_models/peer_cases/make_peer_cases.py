@@ -345,6 +345,48 @@ def _ort_gpt2_embedlayer(skip_op: bool, output_sum: bool, hidden: int = 16) -> o
     return g.model([(y, F32, shape)] + ([(total, F32, shape)] if output_sum else []), 16)
 
 
+# =========================== ORT C++ fusion test generators not in sample_models/ort_fusion (testdata/transform/fusion)
+
+def _ort_ln_without_scale_bias() -> onnx.ModelProto:
+    """layer_norm_without_scale_bias.py: opset 12, X [16, 32, 4], ReduceMean(axes=[-1]) Sub Pow(2) ReduceMean
+    Add(0) Sqrt Div and nothing after: a LayerNorm with neither scale nor bias, epsilon 0 (LayerNormFusion writes
+    one LayerNormalization with a scale of ones)."""
+    g = Graph(8)
+    x = g.input("X", F32, [16, 32, 4])
+    mean = _reduce_mean(g, x, 12)
+    d = g.op("Sub", x, mean)
+    var = _reduce_mean(g, g.op("Pow", d, g.const(2.0, hint="pow_in_2")), 12)
+    y = g.op("Div", d, g.op("Sqrt", g.op("Add", var, g.const(0.0, hint="const_0"))))
+    return g.model([(y, F32, [16, 32, 4])], 12)
+
+
+def _ort_ln_fp16_op10() -> onnx.ModelProto:
+    """layer_norm_fp16.py: the decomposed LayerNorm in float16 at opset 10 on X [M, N], Scale and B graph inputs,
+    Mul(Scale, quotient), Pow exponent and epsilon (1e-4) float16 initializers of shape [1]."""
+    g = Graph(9)
+    x = g.input("X", F16, ["M", "N"])
+    mean = _reduce_mean(g, x, 10)
+    d = g.op("Sub", x, mean)
+    var = _reduce_mean(g, g.op("Pow", d, g.const([2], np.float16, "Pow_B")), 10)
+    n = g.op("Div", d, g.op("Sqrt", g.op("Add", var, g.const([1e-4], np.float16, "add_B"))))
+    y = g.op("Add", g.op("Mul", g.input("Scale", F16, ["N"]), n), g.input("B", F16, ["N"]))
+    return g.model([(y, F16, ["M", "N"])], 10)
+
+
+def _ort_sln_fp16_pow_edge() -> onnx.ModelProto:
+    """gen_simplified_layer_norm_fp16_pow_edge.py: opset 12, float16 x [1, 4, 8], x ** Cast(float 2.0 to fp16),
+    ReduceMean, + `bias` and * `scale`, both graph inputs of shape [1, 4, 1]: the epsilon is a run-time value and
+    the scale is one number per row, so this is no RMS norm any kernel computes (an edge case the fuser must
+    survive)."""
+    g = Graph(10)
+    x = g.input("x", F16, [1, 4, 8])
+    exponent = g.op("Cast", g.const([2.0], hint="exponent"), to=F16)
+    ms = _reduce_mean(g, g.op("Pow", x, exponent), 12)
+    n = g.op("Div", x, g.op("Sqrt", g.op("Add", ms, g.input("bias", F16, [1, 4, 1]))))
+    y = g.op("Mul", n, g.input("scale", F16, [1, 4, 1]))
+    return g.model([(y, F16, [1, 4, 8])], 12)
+
+
 # ================================================================================================ registry
 
 CASES: dict[str, Callable[[], onnx.ModelProto]] = {
@@ -379,6 +421,9 @@ CASES: dict[str, Callable[[], onnx.ModelProto]] = {
     "ort_gpt2_embedlayer": lambda: _ort_gpt2_embedlayer(skip_op=True, output_sum=False),
     "ort_gpt2_embedlayer_output_sum": lambda: _ort_gpt2_embedlayer(skip_op=True, output_sum=True),
     "ort_gpt2_embedlayer_add_layernorm": lambda: _ort_gpt2_embedlayer(skip_op=False, output_sum=False),
+    "ort_ln_without_scale_bias_op12": _ort_ln_without_scale_bias,
+    "ort_ln_fp16_op10": _ort_ln_fp16_op10,
+    "ort_sln_fp16_pow_edge_op12": _ort_sln_fp16_pow_edge,
     "ort_skip_fusion_no_graph_output": lambda: _ort_skip_fusion(graph_output=False),
     "ort_skip_fusion_graph_output": lambda: _ort_skip_fusion(graph_output=True),
     "ort_skip_fusion_graph_output_bias1": lambda: _ort_skip_fusion(graph_output=True, bias=1),
