@@ -387,6 +387,51 @@ def _ort_sln_fp16_pow_edge() -> onnx.ModelProto:
     return g.model([(y, F16, [1, 4, 8])], 12)
 
 
+# ============================ ORT python optimizer: test_optimizer_huggingface_bert.py (transformers, torch)
+
+def _hf_encoder_models() -> dict[str, onnx.ModelProto]:
+    """test_optimizer_huggingface_bert: Hugging Face's tiny random BERT (5 layers, hidden 32, 4 heads,
+    intermediate 37), DistilBERT and XLM-RoBERTa (2 layers) exported by torch's TorchScript exporter at opset 16
+    with the first 1 or 2 of input_ids, attention_mask, token_type_ids. With transformers >= 5 ORT's test expects
+    LayerNormalization 1 and SkipLayerNormalization 10 (XLM-R: 1 and 4). Built here from those config facts with
+    random weights; vocabularies of 100 and 64 positions keep the files small (the graphs do not depend on it)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=100, max_position_embeddings=64)
+    models = {
+        "ort_hf_bert_1input_op16": (tf.BertModel(tf.BertConfig(
+            hidden_size=32, num_hidden_layers=5, num_attention_heads=4, intermediate_size=37, type_vocab_size=16,
+            **common)), 1),
+        "ort_hf_distilbert_2inputs_op16": (tf.DistilBertModel(tf.DistilBertConfig(
+            dim=32, n_layers=5, n_heads=4, hidden_dim=37, **common)), 2),
+        "ort_hf_xlm_roberta_1input_op16": (tf.XLMRobertaModel(tf.XLMRobertaConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, **common)), 1),
+    }
+
+    class Outputs(torch.nn.Module):
+        """The model called with its inputs by name, returning last_hidden_state."""
+
+        def __init__(self, model, names):
+            super().__init__()
+            self.model, self.names = model, names
+
+        def forward(self, *inputs):
+            return self.model(**dict(zip(self.names, inputs))).last_hidden_state
+
+    made = {}
+    for name, (model, count) in models.items():
+        names = ["input_ids", "attention_mask", "token_type_ids"][:count]
+        buffer = io.BytesIO()
+        with torch.no_grad():
+            torch.onnx.export(Outputs(model.eval(), names), tuple(torch.ones(1, 8, dtype=torch.long) for _ in names),
+                              buffer, opset_version=16, input_names=names, output_names=["last_hidden_state"],
+                              dynamic_axes={n: {0: "batch", 1: "sequence"} for n in names}, dynamo=False)
+        made[name] = onnx.load_from_string(buffer.getvalue())
+    return made
+
+
 # ================================================================================================ registry
 
 CASES: dict[str, Callable[[], onnx.ModelProto]] = {
@@ -431,13 +476,15 @@ CASES: dict[str, Callable[[], onnx.ModelProto]] = {
     "ort_skip_fusion_graph_output_cast_bias1": lambda: _ort_skip_fusion(graph_output=True, bias=1, cast=True),
     "ort_skip_fusion_graph_output_cast_bias2": lambda: _ort_skip_fusion(graph_output=True, bias=2, cast=True),
 }
-TORCH_CASES = ("ort_phi_vision_layernorm_fp16", "ort_phi_vision_attention_layernorm")
+TORCH_CASES = ("ort_phi_vision_layernorm_fp16", "ort_phi_vision_attention_layernorm", "ort_hf_bert_1input_op16",
+               "ort_hf_distilbert_2inputs_op16", "ort_hf_xlm_roberta_1input_op16")
 
 
 def main(argv: list[str]) -> None:
     made = {name: make() for name, make in CASES.items()}
     if "--no-torch" not in argv:
         made.update(_phi_vision_models())
+        made.update(_hf_encoder_models())
     for name, model in made.items():
         onnx.save_model(model, str(HERE / f"{name}.onnx"))
         print(f"{name}.onnx: {len(model.graph.node)} nodes")
