@@ -278,6 +278,8 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
             target.append(want)
         elif have != 1 and isinstance(have, int):
             target.append(have)
+        elif _same_symbol(have, want):
+            target.append(want)  # a run-time operand of the input's own (named) normalized dims: [N] for [M, N]
         else:
             raise Refusal(what, f"the normalized dims of the input {_fmt(x_tail)} are not known, so {what} "
                           f"'{value.name}' {_fmt(dims)} cannot be laid out for the fused op")
@@ -285,7 +287,8 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
         if have != want and have != 1:
             raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)}, which does not broadcast onto the "
                           f"normalized dims {target}")
-    check_laid_out(target, what)
+    if all(isinstance(d, int) for d in target):
+        check_laid_out(target, what)
     array = static_value(source)
     if array is not None:
         converted = _exact_astype(np.broadcast_to(array.reshape(tail if tail else []), target), dtype)
@@ -308,6 +311,12 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
     reshape.outputs[0].type = ir.TensorType(dtype)
     reshape.outputs[0].shape = ir.Shape(target)
     return reshape.outputs[0]
+
+
+def _same_symbol(a, b) -> bool:
+    """Two dims that are one named symbolic dim (an unnamed unknown dim equals nothing)."""
+    return isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim) and a.value is not None and \
+        a.value == b.value
 
 
 #: the most elements a constant the fused op needs in full (a broadcast gamma, a unit scale) may have: a norm that
