@@ -220,7 +220,11 @@ def _is_one_element(value: ir.Value) -> bool:
 
 def absorb_type_reads(region: list[ir.Node]) -> list[ir.Node]:
     """Nodes outside the region that read a region value only for its type or shape (``CastLike(eps, var)``,
-    ``Shape(d)``) and feed only the region: they go with it (the fused op needs their value, not their node)."""
+    ``Shape(d)``) and feed only the region: they go with it (the fused op needs their value, not their node).
+
+    A ``Shape`` or ``Size`` of a region value may feed the region through a few shape computations (torch's dynamo
+    exporter builds the target of the Reshape that restores var's axes from ``Shape(var)``): the whole chain goes
+    with the region when nothing else reads it."""
     inside = set(region)
     added = True
     while added:
@@ -228,14 +232,39 @@ def absorb_type_reads(region: list[ir.Node]) -> list[ir.Node]:
         for node in list(inside):
             for out in node.outputs:
                 for reader, _ in out.uses():
-                    if reader in inside or not reader.outputs or not all(is_static(o) for o in reader.outputs):
+                    if reader in inside or not reader.outputs:
                         continue
-                    if all(user in inside for o in reader.outputs for user, _ in o.uses()) and \
-                            not any(o.is_graph_output() for o in reader.outputs):
-                        inside.add(reader)
-                        region.append(reader)
+                    if all(is_static(o) for o in reader.outputs):
+                        chain = [reader]
+                    elif reader.op_type in ("Shape", "Size") and reader.domain in ("", "ai.onnx"):
+                        chain = _shape_chain(reader, inside)
+                    else:
+                        continue
+                    if chain and all(user in inside or user in chain for n in chain for o in n.outputs
+                                     for user, _ in o.uses()) and \
+                            not any(o.is_graph_output() for n in chain for o in n.outputs):
+                        inside.update(chain)
+                        region.extend(chain)
                         added = True
     return region
+
+
+_SHAPE_CHAIN = 16
+
+
+def _shape_chain(start: ir.Node, inside: set[ir.Node]) -> list[ir.Node]:
+    """``start`` and the nodes its result reaches before the region (at most _SHAPE_CHAIN of them; [] if more)."""
+    chain, todo = [start], [start]
+    while todo:
+        for out in todo.pop().outputs:
+            for user, _ in out.uses():
+                if user in inside or user in chain:
+                    continue
+                if len(chain) >= _SHAPE_CHAIN:
+                    return []
+                chain.append(user)
+                todo.append(user)
+    return chain
 
 
 def _is_one(value: ir.Value) -> bool:

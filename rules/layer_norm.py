@@ -50,14 +50,18 @@ def reference():
 # association and sign of the products and sums below reaches the same monomials.
 X = maybe_cast(Var("x_in"), cast="cast_in", name="x")
 MEAN = mean_over(X, "mean")
+# The variance may centre by a mean of its own: torch's dynamo exporter writes ``torch.var`` and ``var_mean`` with
+# their own ReduceMean (axes [2] where the code's mean has [-1]), or ReduceSum / N. ``check_centring`` proves both
+# are the mean of x over the same axes, so they are the same number.
+VMEAN = mean_over(X, "vmean")
 # x - mean computed once (it is read by the square too); under the square its sign does not matter
 D = Terms(mono(1, X, scale="d_x"), mono(-1, MEAN, scale="d_mean"))
-D_SQUARED = Terms(mono(1, X, scale="dsq_x"), mono(-1, MEAN, scale="dsq_mean"), either_sign=True)
+D_SQUARED = Terms(mono(1, X, scale="dsq_x"), mono(-1, VMEAN, scale="dsq_mean"), either_sign=True)
 VAR_EPS = Either(
     var_plus_eps(mean_over(Terms(mono(1, square(D_SQUARED, "sq"))), "var")),
     # E[x²] - E[x]²: the ONNX function body of LayerNormalization
     var_plus_eps(mean_over(Terms(mono(1, square(X, "xsq"))), "var"),
-                 mono(-1, square(MEAN, "msq"), scale="msq_scale")),
+                 mono(-1, square(VMEAN, "msq"), scale="msq_scale")),
 )
 INVERSE = inverse_sqrt(VAR_EPS)
 NUMERATORS = [[(1, maybe_cast(D, cast="d_cast", name="d_num"), "scale_x")],
@@ -92,7 +96,7 @@ class LayerNorm(Rule):
     )
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
-        axes = agreed_axes(m, ("mean", "var"))
+        axes = agreed_axes(m, ("mean", "vmean", "var"))
         channel = channel_axis(axes, m.node("mean"))
         k = 1 if channel is not None else trailing_axes(axes, m.node("mean"))
         check_centring(m)
@@ -163,18 +167,19 @@ class LayerNorm(Rule):
 def check_centring(m: Match) -> None:
     """x - mean must subtract the mean itself: a ReduceSum divided by the count of what it sums, and the same
     coefficient on x and on the mean (``x - 0.9 * mean`` is not centred)."""
-    for x_fact, mean_fact, what in (("d_x", "d_mean", "the centred value"), ("dsq_x", "dsq_mean", "the squared "
-                                    "deviation"), ("scale_x", "scale_mean", "the normalized value")):
+    for x_fact, mean_fact, mean, what in (("d_x", "d_mean", "mean", "the centred value"),
+                                          ("dsq_x", "dsq_mean", "vmean", "the squared deviation"),
+                                          ("scale_x", "scale_mean", "mean", "the normalized value")):
         if m.fact(mean_fact) is None:
             continue
         x_scale = float(m.fact(x_fact))
         if x_fact == "dsq_x" and abs(abs(x_scale) - 1) > 1e-6:
             raise Refusal("mean", f"{what} scales x by {x_scale:g}")
-        check_mean_scale(float(m.fact(mean_fact)) / x_scale, m, "mean", f"{what} (x - mean)")
+        check_mean_scale(float(m.fact(mean_fact)) / x_scale, m, mean, f"{what} (x - mean)")
     if m.node("var") is not None:
         check_mean_scale(float(m.fact("var_scale", 1.0)), m, "var", "the variance", "variance")
     if m.fact("msq_scale") is not None:
-        check_mean_scale(float(m.fact("msq_scale")) ** 0.5, m, "mean", "the squared mean")
+        check_mean_scale(float(m.fact("msq_scale")) ** 0.5, m, "vmean", "the squared mean")
 
 
 def check_centred_rms(m: Match, k: int, channel: int | None) -> float:

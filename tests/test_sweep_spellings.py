@@ -6,6 +6,8 @@ docs/spellings.md says which exporter, model and opset).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnx.helper as oh
@@ -14,6 +16,8 @@ import pytest
 import lnfuse
 from normgraphs import op_types
 from test_spellings import BETA, GAMMA, EPS, H, Graph, _fused_one
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_models" / "sweep"
 
 
 # ---- RMSNormalization(x - mean(x)) is LayerNormalization(x) ---------------------------------------------------
@@ -36,9 +40,10 @@ def _centred_rms(op: str = "RMSNormalization", opset: int = 23, axis: int = -1, 
     return g.model(y) if op == "RMSNormalization" else _unchecked(g, y)
 
 
-def _unchecked(g: Graph, y: str) -> onnx.ModelProto:
+def _unchecked(g: Graph, y: str, extra_inputs=()) -> onnx.ModelProto:
     """ORT's SimplifiedLayerNormalization lives in the default domain, which the ONNX checker does not know."""
-    graph = oh.make_graph(g.nodes, "g", [oh.make_tensor_value_info("X", onnx.TensorProto.FLOAT, g.shape)],
+    graph = oh.make_graph(g.nodes, "g", [oh.make_tensor_value_info("X", onnx.TensorProto.FLOAT, g.shape),
+                                         *extra_inputs],
                           [oh.make_tensor_value_info(y, onnx.TensorProto.FLOAT, g.shape)], g.inits)
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", g.opset)])
     model.ir_version = 8
@@ -73,3 +78,46 @@ def test_rms_of_centred_with_inverse_read_is_left():
     result = lnfuse.fuse(_centred_rms("SimplifiedLayerNormalization", opset=17, read_inverse=True))
     assert "SimplifiedLayerNormalization" in op_types(result.model)
     assert "intermediate" in {u.check for u in result.report.unfused}, result.report.unfused
+
+
+# ---- torch.var / var_mean through the dynamo exporter -----------------------------------------------------------
+# torch 2.13's dynamo exporter writes var(unbiased=False) and var_mean(correction=0) with their own mean (axes [2]
+# where the code's mean says [-1], or ReduceSum / N), ReduceMean(keepdims=0), then a Reshape to the kept shape and
+# an Expand to that same shape, with targets computed from Shape(var).
+
+@pytest.mark.parametrize("name", ["user_ln_var_unbiased_false_dynamo_op18", "user_ln_var_mean_dynamo_op18",
+                                  "user_ln_hand_fp32_dynamo_op23"])
+def test_sweep_exports_fuse(name):
+    """The real exports (``python tests/sweep/run_sweep.py --samples sample_models/sweep``): one LayerNorm each,
+    nothing of the norm left, the whole model unchanged."""
+    model = onnx.load(str(SAMPLES / f"{name}.onnx"))
+    result = lnfuse.fuse(model, verify_model=True)
+    ops = op_types(result.model)
+    assert ops.count("LayerNormalization") == 1, (ops, result.report.unfused)
+    assert not {"ReduceMean", "ReduceSum", "Expand", "Reshape", "RMSNormalization"} & set(ops), ops
+    assert result.report.model_check["ok"], result.report.model_check
+
+
+def test_mean_twins_with_equal_axes_spelled_apart_fuse():
+    """The numerator's mean reduces axes [-1], the variance's [2] (the same axis of a rank-3 x)."""
+    g = Graph(opset=18)
+    d_num = g.op("Sub", "X", g.mean("X", (-1,)))
+    d_var = g.op("Sub", "X", g.mean("X", (2,)))
+    var = g.mean(g.op("Mul", d_var, d_var), (-1,))
+    y = g.op("Div", d_num, g.op("Sqrt", g.op("Add", var, g.const(EPS))))
+    _fused_one(g.model(g.op("Add", g.op("Mul", y, g.const(GAMMA)), g.const(BETA))), epsilon=EPS, axis=-1)
+
+
+def test_var_reshaped_by_a_runtime_shape_is_left():
+    """ReduceMean(keepdims=0) then a Reshape whose target is a graph input: nothing proves it restores the axes."""
+    g = Graph(opset=18)
+    mean = g.mean("X")
+    d = g.op("Sub", "X", mean)
+    flat_var = g.op("ReduceMean", g.op("Mul", d, d), g.ints([-1]), keepdims=0)
+    var = g.op("Reshape", flat_var, "target")
+    y = g.op("Div", d, g.op("Sqrt", g.op("Add", var, g.const(EPS))))
+    model = _unchecked(g, y, [oh.make_tensor_value_info("target", onnx.TensorProto.INT64, [3])])
+    result = lnfuse.fuse(model)
+    assert "LayerNormalization" not in op_types(result.model)
+    assert "keepdims" in {u.check for u in result.report.unfused} | \
+        {o.check for u in result.report.unfused for o in u.others}, result.report.unfused

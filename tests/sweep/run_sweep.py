@@ -6,6 +6,7 @@ Not part of the test suite (exports take minutes). Run from the repo root:
     python tests/sweep/run_sweep.py --out /tmp/sweep/results.jsonl            # everything (about 30 min)
     python tests/sweep/run_sweep.py --only 'gemma|user_' --dtypes fp32,fp16     # a subset
     python tests/sweep/run_sweep.py --table /tmp/sweep/results.jsonl           # the markdown table again
+    python tests/sweep/run_sweep.py --samples sample_models/sweep               # the exports the tests read
 
 Each row is appended to the JSONL file as it is done, and rows already there are skipped, so a run can be resumed.
 ``--save DIR`` keeps each export (``DIR/<model>_<exporter>_op<N>_<dtype>.onnx``) for ``lnfuse explain``.
@@ -43,6 +44,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (exporter, opset); opset 23 only for the LLM-like cases (RMSNormalization)
 EXPORTS = [("legacy", 14), ("legacy", 17), ("dynamo", 18), ("dynamo", 23)]
 TEXT_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids")
+# the exports tests/test_sweep_spellings.py reads (sample_models/sweep/, written by --samples)
+SAMPLES = [("user_ln_var_unbiased_false", "dynamo", 18), ("user_ln_var_mean", "dynamo", 18),
+           ("user_ln_hand_fp32", "dynamo", 23)]
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -212,10 +216,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exports", default=",".join(f"{e}{o}" for e, o in EXPORTS),
                         help="comma list of legacy14,legacy17,dynamo18,dynamo23")
     parser.add_argument("--save", type=Path, default=None)
+    parser.add_argument("--samples", type=Path, default=None,
+                        help="write the exports the tests read (SAMPLES) to this folder and exit")
     parser.add_argument("--table", type=Path, default=None, help="print the table of a JSONL file and exit")
     args = parser.parse_args(argv)
     if args.table:
         print(table([json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]))
+        return 0
+    if args.samples:
+        args.samples.mkdir(parents=True, exist_ok=True)
+        for name, exporter, opset in SAMPLES:
+            torch.manual_seed(0)
+            case = models.cases()[name][0]()
+            randomize_norms(case.module)
+            proto = export(case, exporter, opset)
+            onnx.checker.check_model(proto, full_check=True)
+            onnx.save_model(proto, str(args.samples / f"{name}_{exporter}_op{opset}.onnx"))
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.save:
