@@ -121,3 +121,32 @@ def test_var_reshaped_by_a_runtime_shape_is_left():
     assert "LayerNormalization" not in op_types(result.model)
     assert "keepdims" in {u.check for u in result.report.unfused} | \
         {o.check for u in result.report.unfused for o in u.others}, result.report.unfused
+
+
+# ---- the inverse RMS computed without the reduced axes, unsqueezed after ----------------------------------------
+# x * rsqrt(x.pow(2).mean(-1) + eps).unsqueeze(-1): both torch exporters keep the Unsqueeze after the Rsqrt.
+
+def _rms_unsqueezed_late(shape=(2, 3, H), restore=-1, eps_shape=()) -> onnx.ModelProto:
+    g = Graph(shape=shape, opset=18)
+    mean_sq = g.op("ReduceMean", g.op("Mul", "X", "X"), g.ints([-1]), keepdims=0)
+    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean_sq, g.const(np.full(eps_shape, EPS)))))
+    y = g.op("Mul", g.op("Mul", "X", g.op("Unsqueeze", inv, g.ints([restore]))), g.const(GAMMA[:shape[-1]]))
+    if len(eps_shape) == len(shape):
+        y = g.op("Squeeze", y, g.ints([0]))  # the rank epsilon added, taken off again
+    return g.model(y)
+
+
+def test_rms_unsqueezed_after_the_root_fuses():
+    _fused_one(_rms_unsqueezed_late(), op="SimplifiedLayerNormalization", epsilon=EPS, axis=-1)
+
+
+@pytest.mark.parametrize("case, check", [
+    (dict(shape=(4, 4, 4), restore=-2), "keepdims"),  # [4, 1, 4]: broadcasts, but along the wrong axis
+    (dict(eps_shape=(1, 1, 1)), "shape"),  # epsilon raises the rank of the reduced [2, 3] to [1, 2, 3]
+])
+def test_rms_unsqueezed_after_near_misses(case, check):
+    model = _rms_unsqueezed_late(**case)
+    result = lnfuse.fuse(model)
+    assert "SimplifiedLayerNormalization" not in op_types(result.model)
+    checks = {u.check for u in result.report.unfused} | {o.check for u in result.report.unfused for o in u.others}
+    assert check in checks, result.report.unfused

@@ -281,6 +281,46 @@ class L2Normalize(nn.Module):
         return F.normalize(x, dim=-1) * math.sqrt(H) * self.weight + x / x.norm(dim=-1, keepdim=True)
 
 
+class LNSumDivN(nn.Module):
+    """Means written as x.sum(-1) / x.shape[-1]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
+        self.bias = nn.Parameter(torch.randn(H) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1]
+        mean = x.sum(-1, keepdim=True) / n
+        var = ((x - mean) ** 2).sum(-1, keepdim=True) / n
+        return (x - mean) * (var + 1e-5).rsqrt() * self.weight + self.bias
+
+
+class RMSPaperStyle(nn.Module):
+    """The RMSNorm paper's code: x / (||x|| * d^-1/2 + eps). NOT an RMSNorm (epsilon outside the root). Must stay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rms = x.norm(2, dim=-1, keepdim=True) * H ** -0.5
+        return self.weight * (x / (rms + 1e-8))
+
+
+class LNStdUnbiased(nn.Module):
+    """Annotated-Transformer LayerNorm: (x - mean) / (x.std() + eps), unbiased std. NOT a LayerNorm. Must stay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
+        self.bias = nn.Parameter(torch.randn(H) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        return self.weight * (x - mean) / (x.std(-1, keepdim=True) + 1e-6) + self.bias
+
+
 class OtherNorms(nn.Module):
     """GroupNorm (2 and 1 groups), InstanceNorm, BatchNorm (eval) on NCHW: none is a LayerNorm over the last axis."""
 
@@ -397,7 +437,10 @@ def cases() -> dict[str, tuple[Callable[[], Case], bool]]:
         "user_ln_fp32_autocast": (handwritten(LNFp32Autocast, 1), True),
         "user_ln_hand_fp32": (handwritten(LNHandFp32, 1), True),
         "user_ln_last_two_dims": (handwritten(LNLastTwoDims, 2), True),
+        "user_ln_sum_div_n": (handwritten(LNSumDivN, 1), True),
         "user_not_norm_std_eps": (handwritten(LNStdOutsideEps, 0), True),
+        "user_not_norm_rms_paper": (handwritten(RMSPaperStyle, 0), True),
+        "user_not_norm_std_unbiased": (handwritten(LNStdUnbiased, 0), True),
         "user_not_norm_l2": (handwritten(L2Normalize, 0), True),
         "user_not_norm_group_instance_batch": (handwritten(OtherNorms, 0, (BATCH, 8, 5, 6)), True),
     }
