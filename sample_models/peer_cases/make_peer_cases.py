@@ -476,8 +476,6 @@ CASES: dict[str, Callable[[], onnx.ModelProto]] = {
     "ort_skip_fusion_graph_output_cast_bias1": lambda: _ort_skip_fusion(graph_output=True, bias=1, cast=True),
     "ort_skip_fusion_graph_output_cast_bias2": lambda: _ort_skip_fusion(graph_output=True, bias=2, cast=True),
 }
-TORCH_CASES = ("ort_phi_vision_layernorm_fp16", "ort_phi_vision_attention_layernorm", "ort_hf_bert_1input_op16",
-               "ort_hf_distilbert_2inputs_op16", "ort_hf_xlm_roberta_1input_op16")
 
 
 def main(argv: list[str]) -> None:
