@@ -115,11 +115,13 @@ def export(case: models.Case, exporter: str, opset: int) -> onnx.ModelProto:
                               input_names=list(case.names), output_names=["y"],
                               dynamic_axes={**dims, "y": {0: "batch"}}, do_constant_folding=True)
             return onnx.load_from_string(buffer.getvalue())
-        shapes = {name: {axis: torch.export.Dim.AUTO for axis in axes} for name, axes in dims.items()}
+        shapes = tuple({axis: torch.export.Dim.AUTO for axis in dims[n]} for n in case.names)
+        # forward(x, ...) takes one spec per argument; the wrappers' forward(*args) one tuple for all
+        structure = (shapes,) if isinstance(case.module, models.FirstOutput) else shapes
         try:
             program = torch.onnx.export(case.module, case.inputs, dynamo=True, opset_version=opset,
                                         input_names=list(case.names), output_names=["y"],
-                                        dynamic_shapes=tuple(shapes[n] for n in case.names), verbose=False)
+                                        dynamic_shapes=structure, verbose=False)
         except Exception:  # noqa: BLE001  (some models specialise a dim: fall back to static shapes)
             program = torch.onnx.export(case.module, case.inputs, dynamo=True, opset_version=opset,
                                         input_names=list(case.names), output_names=["y"], verbose=False)
@@ -134,29 +136,49 @@ def _ops(model: onnx.ModelProto) -> list[str]:
     return ops
 
 
-def run_one(name: str, dtype: str, exporter: str, opset: int, save: Path | None) -> dict:
+def build(name: str, dtype: str) -> models.Case:
+    """The case's module (norms moved off identity, eval mode) and inputs, in ``dtype``; its ``norms`` counted."""
+    builder, _ = models.cases()[name]
+    torch.manual_seed(0)
+    case = builder()
+    randomize_norms(case.module)
+    case.module.eval()
+    if dtype != "fp32":
+        case.module.to(DTYPES[dtype])
+        case.inputs = tuple(t.to(DTYPES[dtype]) if t.is_floating_point() else t for t in case.inputs)
+    if case.norms is None:
+        case.norms = count_norm_calls(case.module, case.inputs)
+    return case
+
+
+def run_one(name: str, dtype: str, exporter: str, opset: int, save: Path | None, reuse: bool = False) -> dict:
+    """Export (or, with ``reuse``, read the export saved in ``save``) and fuse one case."""
     row = {"model": name, "exporter": exporter, "opset": opset, "dtype": dtype}
     start = time.perf_counter()
+    saved = None if save is None else save / f"{name}_{exporter}_op{opset}_{dtype}.onnx"
     try:
-        builder, _ = models.cases()[name]
-        torch.manual_seed(0)
-        case = builder()
-        randomize_norms(case.module)
-        case.module.eval()
-        if dtype != "fp32":
-            case.module.to(DTYPES[dtype])
-            case.inputs = tuple(t.to(DTYPES[dtype]) if t.is_floating_point() else t for t in case.inputs)
-        row["norms"] = case.norms if case.norms is not None else count_norm_calls(case.module, case.inputs)
-        proto = export(case, exporter, opset)
+        case = build(name, dtype)
+        row["norms"] = case.norms
+        proto = onnx.load(str(saved)) if reuse and saved.exists() else export(case, exporter, opset)
     except Exception as error:  # noqa: BLE001
         row["export_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
         row["seconds"] = round(time.perf_counter() - start, 1)
         return row
-    if save is not None:
-        onnx.save_model(proto, str(save / f"{name}_{exporter}_op{opset}_{dtype}.onnx"))
+    if saved is not None and not reuse:
+        onnx.save_model(proto, str(saved))
+    row.update(fuse_row(proto, case, dtype))
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def fuse_row(proto: onnx.ModelProto, case: models.Case, dtype: str) -> dict:
+    """lnfuse on one export, checked as a whole on the export's own inputs: what it fused, what it left and why."""
     before = _ops(proto)
-    row["means_before"] = sum(before.count(op) for op in MEANS)
-    row["norm_ops_before"] = sum(before.count(op) for op in NORM_OPS)
+    row = {"means_before": sum(before.count(op) for op in MEANS),
+           "norm_ops_before": sum(before.count(op) for op in NORM_OPS),
+           # the dynamo exporter falls back to static shapes where torch.export cannot keep a dim dynamic
+           "static_shapes": all(d.HasField("dim_value") for i in proto.graph.input
+                                for d in i.type.tensor_type.shape.dim)}
     feeds = None if dtype == "bf16" else {n: t.numpy() for n, t in zip(case.names, case.inputs)}
     try:
         try:
@@ -170,7 +192,6 @@ def run_one(name: str, dtype: str, exporter: str, opset: int, save: Path | None)
     except Exception as error:  # noqa: BLE001
         row["fuse_error"] = f"{type(error).__name__}: {str(error)[:300]}"
         row["traceback"] = traceback.format_exc()[-1500:]
-        row["seconds"] = round(time.perf_counter() - start, 1)
         return row
     after = _ops(result.model)
     row["norm_ops"] = {op: after.count(op) for op in NORM_OPS if after.count(op)}
@@ -180,7 +201,6 @@ def run_one(name: str, dtype: str, exporter: str, opset: int, save: Path | None)
     row["unfused"] = sorted({f"{u.rule}/{u.check}: {u.reason[:160]}" for u in result.report.unfused})
     row["notes"] = [n[:200] for n in result.report.notes][:5]
     row["model_check"] = result.report.model_check
-    row["seconds"] = round(time.perf_counter() - start, 1)
     return row
 
 
@@ -188,7 +208,7 @@ def table(rows: list[dict]) -> str:
     lines = ["| model | exporter | dtype | norms | fused (norm ops after) | means left | left / why |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        exp = f"{r['exporter']} op{r['opset']}"
+        exp = f"{r['exporter']} op{r['opset']}" + (" (static)" if r.get("static_shapes") else "")
         if "export_error" in r:
             lines.append(f"| {r['model']} | {exp} | {r['dtype']} | {r.get('norms', '?')} | export failed | | "
                          f"{r['export_error'][:90]} |")
@@ -198,7 +218,9 @@ def table(rows: list[dict]) -> str:
                          f"{r['fuse_error'][:120]} |")
             continue
         ops = ", ".join(f"{k.replace('Normalization', '')} {v}" for k, v in r["norm_ops"].items()) or "-"
-        mark = "" if r["fused"] == r["norms"] else " **miss**" if r["fused"] < r["norms"] else " **extra**"
+        norm_left = r["means_left"] or any(u.startswith(("layer_norm/", "rms_norm/")) for u in r["unfused"])
+        mark = "" if r["fused"] == r["norms"] else " **extra**" if r["fused"] > r["norms"] else \
+            " **miss**" if norm_left else f" ({r['norms'] - r['fused']} not in the export: dead code)"
         why = "; ".join(r["unfused"])[:300]
         check = r.get("model_check") or {}
         if check and not check.get("ok", True):
@@ -216,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exports", default=",".join(f"{e}{o}" for e, o in EXPORTS),
                         help="comma list of legacy14,legacy17,dynamo18,dynamo23")
     parser.add_argument("--save", type=Path, default=None)
+    parser.add_argument("--reuse", action="store_true",
+                        help="fuse the exports already in --save instead of exporting again (after a fix)")
     parser.add_argument("--samples", type=Path, default=None,
                         help="write the exports the tests read (SAMPLES) to this folder and exit")
     parser.add_argument("--table", type=Path, default=None, help="print the table of a JSONL file and exit")
@@ -246,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         if not re.search(args.only, name):
             continue
         for dtype in args.dtypes.split(","):
-            if dtype != "fp32" and not llm_like and dtype == "bf16":
+            if dtype == "bf16" and not llm_like:
                 continue  # bf16 only where it is common (LLMs, hand-written norms)
             for exporter, opset in ((e, int(o)) for e, o in wanted):
                 if opset == 23 and not llm_like:
@@ -255,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # the TorchScript exporter has no bf16 path worth sweeping
                 if (name, exporter, opset, dtype) in done:
                     continue
-                row = run_one(name, dtype, exporter, opset, args.save)
+                row = run_one(name, dtype, exporter, opset, args.save, args.reuse)
                 with args.out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(table([row]).splitlines()[-1], flush=True)
