@@ -34,6 +34,7 @@ POWERS = frozenset({"Sqrt", "Reciprocal", "Pow", "Div", "Mul", "Neg"})
 _MAX_TERMS = 8
 _MAX_CHAIN = 48
 _KEY_DEPTH = 4
+_SMALL_CONSTANT = 64
 _IMPURE = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
                      "Bernoulli", "Dropout"})
 
@@ -107,6 +108,11 @@ def key(value: ir.Value, depth: int = _KEY_DEPTH) -> tuple:
     """Equal keys: the values are computed by the same pure ops from the same inputs. Only ONNX's own ops are known
     pure: another domain's op may be random or stateful, so each of its results is a value of its own."""
     node = value.producer()
+    if node is None or node.op_type == "Constant":
+        # exporters write the same axes or exponent as separate initializers: equal numbers are the same value
+        found = _constant_key(value)
+        if found is not None:
+            return found
     if node is None or depth == 0 or not _is_onnx(node) or node.op_type in _IMPURE or node.op_type == "Constant" or \
             any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) or a.is_ref()
                 for a in node.attributes.values()):
@@ -117,6 +123,16 @@ def key(value: ir.Value, depth: int = _KEY_DEPTH) -> tuple:
 
 
 # ---- internals ----------------------------------------------------------------------------------------------
+
+def _constant_key(value: ir.Value) -> tuple | None:
+    """A small constant (up to _SMALL_CONSTANT elements, by its declared shape: weights are never read) is known by
+    its dtype, shape and bytes."""
+    shape = value.shape
+    if shape is None or not all(isinstance(d, int) for d in shape) or int(np.prod(list(shape))) > _SMALL_CONSTANT:
+        return None
+    array = static_value(value)
+    return None if array is None else ("const", array.dtype.str, array.shape, array.tobytes())
+
 
 def _is_onnx(node: ir.Node) -> bool:
     return node.domain in ("", "ai.onnx")

@@ -24,7 +24,7 @@ from lnfuse import trust, wellformed, wire
 from lnfuse.staging import Staging
 from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
-from lnfuse.repair import repair
+from lnfuse.repair import declare_output_shapes, repair
 from lnfuse.shapes import infer_function_types, infer_shapes
 from lnfuse.traversal import every_node, subgraphs
 
@@ -95,6 +95,7 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Pa
             raise InputError(f"{where}: opset {imp.version} is newer than this onnx supports ({max_opset}); "
                              "upgrade onnx or re-export at a lower opset")
     checked = _skeleton(proto, base_dir)
+    declare_output_shapes(proto, checked)  # outputs typed without a shape: ORT reads them as unknown rank
     try:
         onnx.checker.check_model(checked)
         _check_types(checked, where)

@@ -296,7 +296,8 @@ def _same_computation(node: ir.Node, twin: ir.Node, matched_inputs: int) -> bool
     same values in the inputs the pattern does not look at (ReduceMean's axes, Unsqueeze's axes)."""
     if (node.op_type, node.domain, len(node.inputs)) != (twin.op_type, twin.domain, len(twin.inputs)):
         return False
-    if list(node.inputs[matched_inputs:]) != list(twin.inputs[matched_inputs:]):
+    if [None if v is None else algebra.key(v) for v in node.inputs[matched_inputs:]] != \
+            [None if v is None else algebra.key(v) for v in twin.inputs[matched_inputs:]]:
         return False
     mine = {k: a.value for k, a in node.attributes.items()}
     theirs = {k: a.value for k, a in twin.attributes.items()}

@@ -207,3 +207,25 @@ def _dims(type_proto: onnx.TypeProto) -> Iterator[onnx.TensorShapeProto.Dimensio
         yield from _dims(getattr(type_proto, kind).elem_type)
     elif kind == "map_type":
         yield from _dims(type_proto.map_type.value_type)
+
+
+# -- graph outputs without a shape --------------------------------------------------------------------------------
+
+def declare_output_shapes(proto: onnx.ModelProto, skeleton: onnx.ModelProto) -> None:
+    """A main-graph output typed without a shape (``make_tensor_value_info(name, type, None)``) is an output of
+    unknown rank to ORT; onnx's checker wants the shape field. Declare what shape inference finds for it (on the
+    weightless ``skeleton``), in both protos. An output whose rank inference cannot find stays as it is (and the
+    checker names it)."""
+    missing = [i for i, out in enumerate(proto.graph.output)
+               if out.type.HasField("tensor_type") and not out.type.tensor_type.HasField("shape")]
+    if not missing:
+        return
+    try:
+        inferred = onnx.shape_inference.infer_shapes(skeleton)
+    except Exception:  # noqa: BLE001 - onnx raises several types; without inference the checker speaks
+        return
+    for i in missing:
+        found = inferred.graph.output[i].type.tensor_type
+        if found.HasField("shape"):
+            for target in (proto.graph.output[i], skeleton.graph.output[i]):
+                target.type.tensor_type.shape.CopyFrom(found.shape)

@@ -35,6 +35,10 @@ TOLERANCE = {
 _SMALL_SCALE = {ir.DataType.DOUBLE: 1e-4, ir.DataType.FLOAT: 1e-4, ir.DataType.FLOAT16: 3e-3,
                 ir.DataType.BFLOAT16: 3e-2}
 _SIZES = (2, 3, 5, 4, 6, 7)
+#: when the original region cannot run at the sizes drawn (a 2-row position table read at sequence length 3), its
+#: free symbolic dims, in order, cycle through each of these instead; neighbours always differ, so a batch dim taken
+#: for a sequence dim still shows
+_FALLBACK = ((1, 2), (2, 1))
 #: regions per ORT session: one session for many regions saves the per-session cost, but ORT's session setup grows
 #: faster than linearly with the graph, so very large batches are split
 _BATCH = 48
@@ -81,13 +85,49 @@ def verify(replacements: Sequence[Replacement], opsets: dict[str, int], ir_versi
         try:
             for (i, _), outcome in zip(batch, _run([r for _, r in batch], opsets, ir_version)):
                 outcomes[i] = outcome
-        except Exception:  # noqa: BLE001 - isolate the failing region below
+        except _Failed:  # isolate the failing region below
             for i, region in batch:
-                try:
-                    outcomes[i] = _run([region], opsets, ir_version)[0]
-                except Exception as error:  # noqa: BLE001 - ORT raises several types; the message is what matters
-                    outcomes[i] = Outcome(False, float("nan"), f"ORT could not run it: {_first_line(error)}")
+                outcomes[i] = _alone(region, opsets, ir_version)
     return outcomes
+
+
+def _alone(region: "_Region", opsets: dict[str, int], ir_version: int) -> Outcome:
+    """One region's outcome. When its original side cannot run at the sizes drawn, those sizes are outside what the
+    model accepts (a 2-row position table read at sequence length 3): it is then measured at every small size
+    pattern in ``_FALLBACK`` where the original runs, and must agree at each; a replacement that fails where the
+    original runs is refused."""
+    try:
+        return _run([region], opsets, ir_version)[0]
+    except _Failed as failure:
+        if failure.fused or not region.free:
+            return _not_run(failure)
+        error = failure
+    measured = []
+    for palette in _FALLBACK:
+        try:
+            region.resize(palette)
+            measured.append(_run([region], opsets, ir_version)[0])
+        except Unverifiable as unverifiable:
+            return Outcome(False, float("nan"), f"cannot verify: {unverifiable}")
+        except _Failed as failure:
+            if failure.fused:
+                return _not_run(failure)
+    if not measured:
+        return _not_run(error)
+    failed = [o for o in measured if not o.ok]
+    return Outcome(not failed, max(o.max_error for o in measured), failed[0].detail if failed else "")
+
+
+def _not_run(failure: Exception) -> Outcome:
+    return Outcome(False, float("nan"), f"ORT could not run it: {failure}")
+
+
+class _Failed(Exception):
+    """ORT could not build or run one side of a verification run; the message is ORT's last line."""
+
+    def __init__(self, fused: bool, error: Exception):
+        super().__init__(_first_line(error))
+        self.fused = fused
 
 
 def _batches(prepared: list[tuple[int, "_Region"]]) -> Iterator[list[tuple[int, "_Region"]]]:
@@ -142,8 +182,17 @@ class _Region:
         # integer inputs used as Gather indices get valid indices for their table
         self.bounds = _id_bounds(old_nodes)
         self.dtypes = {v: self._dtype(v) for v in self.inputs}
-        self.size = 0
+        self.size, self.seed = 0, seed
+        #: sizes given to symbolic dims before any is drawn (see ``resize``), and the names drawn
+        self.preset: dict[str, int] = {}
+        self.free: list[str] = []
         self.feeds = self._feeds(np.random.default_rng(seed))
+
+    def resize(self, palette: Sequence[int]) -> None:
+        """New feeds with the free symbolic dims (plain names, not expressions of others), in order, cycling
+        through the sizes of ``palette``."""
+        self.preset = {name: palette[i % len(palette)] for i, name in enumerate(self.free)}
+        self.feeds = self._feeds(np.random.default_rng(self.seed))
 
     def _dtype(self, value: ir.Value) -> ir.DataType:
         """A region input's dtype; an input typed by nothing (a loop body's carried value when inference could
@@ -183,20 +232,21 @@ class _Region:
     def _plan(self, shrink: Mapping[int, int]) -> dict[ir.Value, list[int]]:
         """The concrete shape of every input (for a ``shapes_of`` input: the shape it holds), the same size for
         the same symbolic dim, static dims mapped through ``shrink``."""
-        dims: dict[str, int] = {}
+        dims, unnamed = dict(self.preset), itertools.count()
         shapes = {}
         for value in self.inputs:
             if value in self.shapes_of:
                 # the shape of a value the region computes: the concrete sizes the other inputs were given
                 node = self.shapes_of[value]
                 start, end = attr_value(node, "start", 0), attr_value(node, "end", None)
-                shapes[value] = _concrete(self._shape(node.inputs[0]), dims, shrink)[start:end]
+                shapes[value] = _concrete(self._shape(node.inputs[0]), dims, shrink, unnamed)[start:end]
             else:
-                shape = _concrete(self._shape(value), dims, shrink)
+                shape = _concrete(self._shape(value), dims, shrink, unnamed)
                 if value in self.tables and shape and shrink:
                     # ids point at the first rows only: a table needs no more rows than they and constant ids pick
                     shape[0] = min(shape[0], max([_TABLE_ROWS, *(r + 1 for r in self.tables[value])]))
                 shapes[value] = shape
+        self.free = [name for name in dims if name.startswith("?") or name.isidentifier()]
         return shapes
 
     def _shape(self, value: ir.Value) -> ir.Shape:
@@ -273,9 +323,11 @@ def _shared_context(old_reads: list[ir.Value], new_reads: list[ir.Value], produc
     return (prelude if len(prelude) <= _MAX_PRELUDE else []), context
 
 
-def _concrete(shape: ir.Shape, sizes: dict[str, int], shrink: Mapping[int, int] = {}) -> list[int]:  # noqa: B006
+def _concrete(shape: ir.Shape, sizes: dict[str, int], shrink: Mapping[int, int], unnamed: Iterator[int]) -> list[int]:
+    """Sizes for ``shape``; each unnamed dim is a name of its own, numbered by ``unnamed`` (the same numbers when a
+    region is planned again, so that a preset reaches them)."""
     return [shrink.get(d, d) if isinstance(d, int) else
-            dim_size(str(d) if d is not None and d.value is not None else f"?{len(sizes)}", sizes) for d in shape]
+            dim_size(str(d) if d is not None and d.value is not None else f"?{next(unnamed)}", sizes) for d in shape]
 
 
 def _bytes(shapes: Mapping[ir.Value, list[int]], dtypes: Mapping[ir.Value, ir.DataType]) -> int:
@@ -487,19 +539,10 @@ def _run(regions: list[_Region], opsets: dict[str, int], ir_version: int) -> lis
     for region in regions:
         feeds.update(region.feed_dict())
     for fused in (False, True):
-        nodes, inputs, outputs, inits = [], [], [], []
-        for region in regions:
-            n, i, o, t = region.graph(fused)
-            nodes += n
-            inputs += i
-            outputs += o
-            inits += t
-        graph = onnx.helper.make_graph(nodes, "lnfuse_verify", inputs, outputs, inits)
-        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v)
-                                                             for d, v in opsets.items()])
-        model.ir_version = ir_version
-        # the regions are tiny: a thread pool per session costs more than it saves
-        results[fused] = session(model, threads=1).run(None, feeds)
+        try:
+            results[fused] = session(_model(regions, fused, opsets, ir_version), threads=1).run(None, feeds)
+        except Exception as error:  # noqa: BLE001 - ORT raises several types; the message is what matters
+            raise _Failed(fused, error) from error
     outcomes, index = [], 0
     for region in regions:
         worst, ok, detail = 0.0, True, ""
@@ -514,6 +557,21 @@ def _run(regions: list[_Region], opsets: dict[str, int], ir_version: int) -> lis
                 detail = f"output '{old.name}' differs by {err:.3g} (tolerance {atol:g} + {rtol:g}*|x|)"
         outcomes.append(Outcome(ok, worst, detail))
     return outcomes
+
+
+def _model(regions: list[_Region], fused: bool, opsets: dict[str, int], ir_version: int) -> onnx.ModelProto:
+    """One side of every region, side by side in one model."""
+    nodes, inputs, outputs, inits = [], [], [], []
+    for region in regions:
+        n, i, o, t = region.graph(fused)
+        nodes += n
+        inputs += i
+        outputs += o
+        inits += t
+    model = onnx.helper.make_model(onnx.helper.make_graph(nodes, "lnfuse_verify", inputs, outputs, inits),
+                                   opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()])
+    model.ir_version = ir_version
+    return model
 
 
 def compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float) -> tuple[float, float]:

@@ -25,10 +25,14 @@ def mean_over(x: Pattern, name: str) -> Pattern:
     """The mean of x over some axes, kept: ReduceMean with keepdims=1, ReduceMean with keepdims=0 followed by an
     Unsqueeze that restores the axes (``reduced_axes`` proves it), GlobalAveragePool (tf2onnx), which is the mean
     over every axis after the second, or a ReduceSum (its count is divided out in the normal form: ``reduced_count``
-    says by how much)."""
+    says by how much).
+
+    torch's dynamo exporter restores the axes of ``torch.var``/``var_mean`` its own way: a Reshape to the kept shape
+    and an Expand to that same shape (``broadcast_in_dim``); ``reduced_axes`` proves both change no element."""
     reduce = Op(("ReduceMean", "ReduceSum"), x, name=name, extra_inputs=True)
-    return Either(reduce, Op("Unsqueeze", reduce, name=f"{name}_unsqueeze", extra_inputs=True),
-                  Op("GlobalAveragePool", x, name=name))
+    restored = Op(("Unsqueeze", "Reshape"), reduce, name=f"{name}_unsqueeze", extra_inputs=True)
+    expanded = Op("Expand", Either(reduce, restored), name=f"{name}_expand", extra_inputs=True)
+    return Either(reduce, restored, expanded, Op("GlobalAveragePool", x, name=name))
 
 
 def square(d: Pattern, name: str) -> tuple[Pattern, str]:
@@ -37,9 +41,48 @@ def square(d: Pattern, name: str) -> tuple[Pattern, str]:
     return (maybe_cast(d, f"{name}_cast"), f"{name}_exponent")
 
 
+def _check_unsqueezed(node: ir.Node, unsqueeze: ir.Node, axes: list[int], rank: int | None) -> None:
+    restored = attr_value(unsqueeze, "axes")
+    if restored is None:
+        found = static_value(unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else None
+        if found is None:
+            raise Refusal("keepdims", f"the axes of Unsqueeze '{unsqueeze.name}' are computed at run time")
+        restored = found.reshape(-1).tolist()
+    out_rank = rank if rank is not None else len(axes) + (rank_of(node.outputs[0]) or 0)
+    restored = sorted(int(a) - out_rank if int(a) >= 0 else int(a) for a in restored)
+    if restored != axes:
+        raise Refusal("keepdims", f"ReduceMean '{node.name}' reduces axes {axes} but Unsqueeze "
+                      f"'{unsqueeze.name}' restores {restored}")
+
+
+def _kept_shape(x: ir.Value, axes: list[int]) -> list | None:
+    """x's shape with the reduced axes as 1: the shape of the mean with keepdims=1."""
+    if x.shape is None:
+        return None
+    rank = len(x.shape)
+    return [1 if i - rank in axes else d for i, d in enumerate(x.shape)]
+
+
+def _check_same_shape(value: ir.Value, want, what: str, node: ir.Node) -> None:
+    """``value`` has exactly the shape ``want`` (known dims equal, symbolic dims the same symbol): a Reshape to the
+    kept shape only puts back the reduced axes, an Expand to its input's shape copies nothing."""
+    got = None if value.shape is None else list(value.shape)
+    want = None if want is None else list(want)
+    if got is None or want is None or len(got) != len(want) or \
+            any(not _same_dim(a, b) for a, b in zip(got, want)):
+        raise Refusal("keepdims", f"{what} after ReduceMean '{node.name}' gives shape {got}, where restoring the "
+                      f"reduced axes needs {want}")
+
+
+def _same_dim(a, b) -> bool:
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a is not None and b is not None and a.value is not None and a.value == b.value
+
+
 def kept_dims(m: Match, name: str) -> ir.Value:
     """The keepdims=1 form of a ``mean_over`` match."""
-    return m.value(f"{name}_unsqueeze") or m.value(name)
+    return m.value(f"{name}_expand") or m.value(f"{name}_unsqueeze") or m.value(name)
 
 
 # ---- checks -----------------------------------------------------------------------------------------------------
@@ -104,18 +147,15 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
         raise Refusal("keepdims", f"ReduceMean '{node.name}' drops the reduced axes (keepdims=0)")
     if unsqueeze is not None:
         if keepdims:
-            raise Refusal("keepdims", f"Unsqueeze '{unsqueeze.name}' adds axes to a ReduceMean that kept them")
-        restored = attr_value(unsqueeze, "axes")
-        if restored is None:
-            found = static_value(unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else None
-            if found is None:
-                raise Refusal("keepdims", f"the axes of Unsqueeze '{unsqueeze.name}' are computed at run time")
-            restored = found.reshape(-1).tolist()
-        out_rank = rank if rank is not None else len(axes) + (rank_of(node.outputs[0]) or 0)
-        restored = sorted(int(a) - out_rank if int(a) >= 0 else int(a) for a in restored)
-        if restored != axes:
-            raise Refusal("keepdims", f"ReduceMean '{node.name}' reduces axes {axes} but Unsqueeze "
-                          f"'{unsqueeze.name}' restores {restored}")
+            raise Refusal("keepdims", f"{unsqueeze.op_type} '{unsqueeze.name}' adds axes to a ReduceMean that kept them")
+        if unsqueeze.op_type == "Reshape":
+            _check_same_shape(unsqueeze.outputs[0], _kept_shape(x, axes), f"Reshape '{unsqueeze.name}'", node)
+        else:
+            _check_unsqueezed(node, unsqueeze, axes, rank)
+    expand = m.node(f"{name}_expand")
+    if expand is not None:
+        # Expand only broadcasts: to its input's own shape it is the identity
+        _check_same_shape(expand.outputs[0], expand.inputs[0].shape, f"Expand '{expand.name}'", node)
     return tuple(axes)
 
 
@@ -278,6 +318,8 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
             target.append(want)
         elif have != 1 and isinstance(have, int):
             target.append(have)
+        elif _same_symbol(have, want):
+            target.append(want)  # a run-time operand of the input's own (named) normalized dims: [N] for [M, N]
         else:
             raise Refusal(what, f"the normalized dims of the input {_fmt(x_tail)} are not known, so {what} "
                           f"'{value.name}' {_fmt(dims)} cannot be laid out for the fused op")
@@ -285,7 +327,8 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
         if have != want and have != 1:
             raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)}, which does not broadcast onto the "
                           f"normalized dims {target}")
-    check_laid_out(target, what)
+    if all(isinstance(d, int) for d in target):
+        check_laid_out(target, what)
     array = static_value(source)
     if array is not None:
         converted = _exact_astype(np.broadcast_to(array.reshape(tail if tail else []), target), dtype)
@@ -308,6 +351,12 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
     reshape.outputs[0].type = ir.TensorType(dtype)
     reshape.outputs[0].shape = ir.Shape(target)
     return reshape.outputs[0]
+
+
+def _same_symbol(a, b) -> bool:
+    """Two dims that are one named symbolic dim (an unnamed unknown dim equals nothing)."""
+    return isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim) and a.value is not None and \
+        a.value == b.value
 
 
 #: the most elements a constant the fused op needs in full (a broadcast gamma, a unit scale) may have: a norm that

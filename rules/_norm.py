@@ -28,10 +28,13 @@ from ._common import (FLOATS, cast_target, channel_param, check_laid_out, dtype_
 Numerator = list[tuple[float, Pattern, str]]
 
 
-def inverse_sqrt(var_eps: Pattern) -> tuple[Pattern, str]:
+def inverse_sqrt(var_eps: Pattern) -> list[tuple[Pattern, str]]:
     """(var + eps) ** e: 1/sqrt, Reciprocal(Sqrt), Pow(-0.5), Div(1, Sqrt)... all reach this factor; ``check_inverse``
-    proves e = -1/2."""
-    return (var_eps, "inv_exponent")
+    proves e = -1/2. Or that factor computed without the reduced axes and unsqueezed after it
+    (``rsqrt(x.pow(2).mean(-1) + eps).unsqueeze(-1)``): elementwise ops on one-element constants commute with the
+    Unsqueeze, which is bound as the variance's own (``reduced_axes`` proves it restores the reduced axes)."""
+    unkept = Op("Unsqueeze", Terms(mono(1, (var_eps, "inv_exponent"))), name="var_unsqueeze", extra_inputs=True)
+    return [(var_eps, "inv_exponent"), (unkept, "inv_outer")]
 
 
 def var_plus_eps(variance: Pattern, *more: Mono) -> Terms:
@@ -44,15 +47,16 @@ def normalized(numerator: Numerator, inverse: tuple[Pattern, str], *scale: Patte
     return tuple(mono(c, leaf, inverse, *scale, scale=fact) for c, leaf, fact in numerator)
 
 
-def affine(numerators: list[Numerator], inverse: tuple[Pattern, str], beta: bool = True) -> Pattern:
+def affine(numerators: list[Numerator], inverses: list[tuple[Pattern, str]], beta: bool = True) -> Pattern:
     """``cast?(n [* gamma] [+ beta])`` with ``n = numerator * (var + eps) ** -1/2``, in any order and association
     (``gamma * d / std``, ``d * (gamma / std)``, ``x*k + (-mean*k + beta)``...), or with a Cast of n before gamma
     (mixed precision): gamma and beta are checked later by ``param_as``."""
     gamma, bias = Var("gamma"), mono(1, Var("beta"))
     betas = (True, False) if beta else (False,)
     forms = [normalized(num, inverse, *([gamma] if g else [])) + ((bias,) if b else ())
-             for g in (True, False) for b in betas for num in numerators]
-    cast = Op("Cast", Terms(*[normalized(num, inverse) for num in numerators]), name="cast_normalized")
+             for inverse in inverses for g in (True, False) for b in betas for num in numerators]
+    cast = Op("Cast", Terms(*[normalized(num, inverse) for inverse in inverses for num in numerators]),
+              name="cast_normalized")
     cast_forms = [(mono(1, cast, gamma, scale="scale_out"),) + ((bias,) if b else ()) for b in betas] + \
         ([(mono(1, cast, scale="scale_out"), bias)] if beta else [])
     return maybe_cast(Either(Terms(*forms), Terms(*cast_forms), cast), cast="cast_out", name="y")
@@ -60,6 +64,13 @@ def affine(numerators: list[Numerator], inverse: tuple[Pattern, str], beta: bool
 
 def check_inverse(m: Match) -> None:
     e = m.fact("inv_exponent")
+    if m.fact("inv_outer") is not None:
+        e = None if e is None else e * m.fact("inv_outer")  # (Unsqueeze(v ** e)) ** outer
+        # before the Unsqueeze, epsilon must not raise the rank of the reduced variance either
+        eps, reduced = m.value("eps"), m.node("var").outputs[0]
+        if eps is None or eps.shape is None or reduced.shape is None or len(eps.shape) > len(reduced.shape):
+            raise Refusal("shape", f"epsilon '{eps.name if eps else '?'}' may raise the rank of the variance "
+                          "computed without its reduced axes")
     if e is not None and e != Fraction(-1, 2):
         raise Refusal("exponent", f"var + eps is raised to {float(e):g}, where 1/sqrt(var + eps) needs -0.5")
 
@@ -223,7 +234,11 @@ def _is_one_element(value: ir.Value) -> bool:
 
 def absorb_type_reads(region: list[ir.Node]) -> list[ir.Node]:
     """Nodes outside the region that read a region value only for its type or shape (``CastLike(eps, var)``,
-    ``Shape(d)``) and feed only the region: they go with it (the fused op needs their value, not their node)."""
+    ``Shape(d)``) and feed only the region: they go with it (the fused op needs their value, not their node).
+
+    A ``Shape`` or ``Size`` of a region value may feed the region through a few shape computations (torch's dynamo
+    exporter builds the target of the Reshape that restores var's axes from ``Shape(var)``): the whole chain goes
+    with the region when nothing else reads it."""
     inside = set(region)
     added = True
     while added:
@@ -231,14 +246,39 @@ def absorb_type_reads(region: list[ir.Node]) -> list[ir.Node]:
         for node in list(inside):
             for out in node.outputs:
                 for reader, _ in out.uses():
-                    if reader in inside or not reader.outputs or not all(is_static(o) for o in reader.outputs):
+                    if reader in inside or not reader.outputs:
                         continue
-                    if all(user in inside for o in reader.outputs for user, _ in o.uses()) and \
-                            not any(o.is_graph_output() for o in reader.outputs):
-                        inside.add(reader)
-                        region.append(reader)
+                    if all(is_static(o) for o in reader.outputs):
+                        chain = [reader]
+                    elif reader.op_type in ("Shape", "Size") and reader.domain in ("", "ai.onnx"):
+                        chain = _shape_chain(reader, inside)
+                    else:
+                        continue
+                    if chain and all(user in inside or user in chain for n in chain for o in n.outputs
+                                     for user, _ in o.uses()) and \
+                            not any(o.is_graph_output() for n in chain for o in n.outputs):
+                        inside.update(chain)
+                        region.extend(chain)
                         added = True
     return region
+
+
+_SHAPE_CHAIN = 16
+
+
+def _shape_chain(start: ir.Node, inside: set[ir.Node]) -> list[ir.Node]:
+    """``start`` and the nodes its result reaches before the region (at most _SHAPE_CHAIN of them; [] if more)."""
+    chain, todo = [start], [start]
+    while todo:
+        for out in todo.pop().outputs:
+            for user, _ in out.uses():
+                if user in inside or user in chain:
+                    continue
+                if len(chain) >= _SHAPE_CHAIN:
+                    return []
+                chain.append(user)
+                todo.append(user)
+    return chain
 
 
 def _is_one(value: ir.Value) -> bool:

@@ -92,6 +92,14 @@ _SUM = Either(
     Op("Add", Op("Add", _term(0), _term(1), name="add_inner"), _term(2), name="add"),
     Op("Add", _term(0), _term(1), name="add"),
 )
+_INNER = Op("Add", _term(0), _term(1), name="add_inner")
+
+
+def _skip_norm(first, second) -> Op:
+    """ONNX Runtime's SkipLayerNormalization already written over the lookups (ORT's GPT-2 embedding test graph):
+    input + skip is the embedding sum; its own sum output (index 3) is the sum's value."""
+    return Op("SkipLayerNormalization", first, second, Var("gamma"), name="norm", domain="com.microsoft",
+              extra_inputs=True)
 
 
 @dataclass
@@ -105,14 +113,17 @@ class _Lookup:
 
 class EmbedNorm(Rule):
     name = "embed_norm"
-    anchors = frozenset({"LayerNormalization"})
+    anchors = frozenset({"LayerNormalization", "SkipLayerNormalization"})
     targets = frozenset({"ort"})
     reports_fallback = True  # a refused block still becomes a Skip op: the user needs to know why it is not more
-    patterns = (Op("LayerNormalization", _SUM, Var("gamma"), name="norm", extra_inputs=True),)
+    patterns = (Op("LayerNormalization", _SUM, Var("gamma"), name="norm", extra_inputs=True),
+                _skip_norm(_INNER, _term(2)), _skip_norm(_term(2), _INNER), _skip_norm(_term(0), _term(1)))
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
-        norm, s = m.node("norm"), m.value("add")
-        if any(read_outside(v, m.nodes) for v in norm.outputs[1:] if v.name):
+        norm = m.node("norm")
+        # s: the embedding sum, or (a Skip op's sum) its output; read: the sum's value if the graph has one
+        s, read, (gamma, beta, epsilon) = _sum_and_norm(m, norm)
+        if any(read_outside(v, m.nodes) for v in norm.outputs[1:3] if v.name):
             raise Refusal("outputs", f"the Mean/InvStdDev of '{node_name(norm)}' are read; the kernel has none")
         if s.shape is None or len(s.shape) != 3 or attr_value(norm, "axis", -1) not in (-1, 2):
             raise Refusal("shape", f"the embedding sum '{s.name}' must be 3-D and normalized over its last axis")
@@ -122,7 +133,7 @@ class EmbedNorm(Rule):
         if dtype not in _KERNEL_DTYPES or not isinstance(hidden, int):
             raise Refusal("dtype", f"the kernel takes float32/float16 with a known hidden size, not {dtype} "
                           f"[..., {hidden}]")
-        lookups = [_classify(m, i, ctx) for i in range(3) if m.node(f"gather{i}") is not None]
+        lookups = [_classify(m, i, s) for i in range(3) if m.node(f"gather{i}") is not None]
         folded = [m.value(f"folded{i}") for i in range(3) if m.value(f"folded{i}") is not None]
         if len(folded) > 1:
             raise Refusal("terms", "the embedding sum has more than one constant term")
@@ -130,12 +141,11 @@ class EmbedNorm(Rule):
         word, position, segment = _roles(lookups)
         for lookup in lookups:
             _check_table(lookup, hidden, dtype)
-        gamma = _vector(norm.inputs[1], hidden, dtype, "gamma")
-        beta = _vector(norm.inputs[2], hidden, dtype, "beta") if len(norm.inputs) > 2 and norm.inputs[2] else \
-            ctx.constant(np.zeros(hidden, dtype=dtype.numpy()), "lnfuse_zero_beta")
-        epsilon = float(attr_value(norm, "epsilon", 1e-5))
         quantized = _dequantized([word.table, position.table] + ([segment.table] if segment else []) +
-                                 [norm.inputs[1], norm.inputs[2] if len(norm.inputs) > 2 else None])
+                                 [gamma, beta])
+        gamma = _vector(gamma, hidden, dtype, "gamma")
+        beta = _vector(beta, hidden, dtype, "beta") if beta is not None else \
+            ctx.constant(np.zeros(hidden, dtype=dtype.numpy()), "lnfuse_zero_beta")
         if quantized is not None and position.kind == "arange":
             fused = ctx.node("QEmbedLayerNormalization", _qembed_inputs(ctx, word, segment, quantized),
                              {"epsilon": epsilon}, domain="com.microsoft", num_outputs=2, hint=node_name(norm))
@@ -152,11 +162,11 @@ class EmbedNorm(Rule):
         outputs = {norm.outputs[0]: fused.outputs[0]}
         if op_type == "EmbedLayerNormalization":
             fused.outputs[1].meta[ABSENT] = True
-            if read_outside(s, m.nodes):
-                outputs[s] = fused.outputs[2]
+            if read is not None and read_outside(read, m.nodes):
+                outputs[read] = fused.outputs[2]
             else:
                 fused.resize_outputs(1)
-        elif read_outside(s, m.nodes):
+        elif read is not None and read_outside(read, m.nodes):
             raise Refusal("outputs", "the embedding sum is read elsewhere and QEmbedLayerNormalization has no "
                           "embedding_sum output")
         for old, new in outputs.items():
@@ -164,6 +174,19 @@ class EmbedNorm(Rule):
         return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
                            region=_region(m), attributes={"epsilon": epsilon}, opset_imports={"com.microsoft": 1},
                            notes=_quantized_note(lookups, op_type))
+
+
+def _sum_and_norm(m: Match, norm: ir.Node) -> tuple[ir.Value, ir.Value | None, tuple]:
+    """The embedding sum (a value of its shape and type), the value holding it if any, and (gamma, beta, epsilon)
+    of the norm: LayerNormalization(sum, gamma, beta), or SkipLayerNormalization(a, b, gamma, beta) with no bias
+    (a bias would be one more term the kernel does not add), whose defaults are the contrib op's."""
+    inputs = list(norm.inputs) + [None] * 5
+    if norm.op_type == "LayerNormalization":
+        return m.value("add"), m.value("add"), (inputs[1], inputs[2], float(attr_value(norm, "epsilon", 1e-5)))
+    if inputs[4] is not None:
+        raise Refusal("bias", f"'{node_name(norm)}' adds a bias to the embedding sum; the kernel adds none")
+    total = norm.outputs[3] if len(norm.outputs) > 3 and norm.outputs[3].name else None
+    return norm.outputs[0], total, (inputs[2], inputs[3], float(attr_value(norm, "epsilon", 1e-12)))
 
 
 def _region(m: Match) -> list[ir.Node]:
@@ -202,7 +225,7 @@ def _same_dim(a, b) -> bool:
     return a is not None and b is not None and a.value is not None and a.value == b.value
 
 
-def _classify(m: Match, i: int, ctx: GraphContext) -> _Lookup:
+def _classify(m: Match, i: int, total: ir.Value) -> _Lookup:
     gather = m.node(f"gather{i}")
     table, ids = m.value(f"table{i}"), m.value(f"ids{i}")
     dq = m.node(f"dq{i}")
@@ -218,7 +241,7 @@ def _classify(m: Match, i: int, ctx: GraphContext) -> _Lookup:
             (constant.min() < 0 or constant.max() >= rows):
         raise Refusal("ids", f"the constant indices '{ids.name}' reach outside 0..{rows - 1}: ONNX Gather counts "
                       "negative ids from the end, the kernel refuses them")
-    s = m.value("add").shape
+    s = total.shape
     dims = list(ids.shape)
     kind = ""
     if len(dims) == 2 and _same_dim(dims[0], s[0]) and _same_dim(dims[1], s[1]):

@@ -12,9 +12,9 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.constants import static_value
-from lnfuse.pattern import Either, Match, Op, Terms, Var, maybe_cast, mono
+from lnfuse.pattern import Either, Match, Op, Terms, Var, attr_value, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
-from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
+from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
                       check_mean_scale, epsilon, kept_dims, mean_over, node_name, param_as, rank_of, read_outside,
                       readers_outside, square, trailing_axes)
 from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
@@ -50,14 +50,18 @@ def reference():
 # association and sign of the products and sums below reaches the same monomials.
 X = maybe_cast(Var("x_in"), cast="cast_in", name="x")
 MEAN = mean_over(X, "mean")
+# The variance may centre by a mean of its own: torch's dynamo exporter writes ``torch.var`` and ``var_mean`` with
+# their own ReduceMean (axes [2] where the code's mean has [-1]), or ReduceSum / N. ``check_centring`` proves both
+# are the mean of x over the same axes, so they are the same number.
+VMEAN = mean_over(X, "vmean")
 # x - mean computed once (it is read by the square too); under the square its sign does not matter
 D = Terms(mono(1, X, scale="d_x"), mono(-1, MEAN, scale="d_mean"))
-D_SQUARED = Terms(mono(1, X, scale="dsq_x"), mono(-1, MEAN, scale="dsq_mean"), either_sign=True)
+D_SQUARED = Terms(mono(1, X, scale="dsq_x"), mono(-1, VMEAN, scale="dsq_mean"), either_sign=True)
 VAR_EPS = Either(
     var_plus_eps(mean_over(Terms(mono(1, square(D_SQUARED, "sq"))), "var")),
     # E[x²] - E[x]²: the ONNX function body of LayerNormalization
     var_plus_eps(mean_over(Terms(mono(1, square(X, "xsq"))), "var"),
-                 mono(-1, square(MEAN, "msq"), scale="msq_scale")),
+                 mono(-1, square(VMEAN, "msq"), scale="msq_scale")),
 )
 INVERSE = inverse_sqrt(VAR_EPS)
 NUMERATORS = [[(1, maybe_cast(D, cast="d_cast", name="d_num"), "scale_x")],
@@ -66,12 +70,17 @@ NUMERATORS = [[(1, maybe_cast(D, cast="d_cast", name="d_num"), "scale_x")],
 STANDARD = affine(NUMERATORS, INVERSE)
 # the ONNX function body works on Flatten(X, axis) and reshapes back: Reshape(norm2d, Shape(X))
 UNFLATTENED = Op("Reshape", STANDARD, Var("x_shape"), name="unflatten")
+# An RMS norm of x - mean(x) is the LayerNorm of x: torch's dynamo exporter at opset 23 writes a hand-written
+# LayerNorm without bias (Cohere, OLMo-style code) as ReduceMean -> Sub -> RMSNormalization
+RMS_OF_CENTRED = Op(("RMSNormalization", "SimplifiedLayerNormalization"), D, Var("gamma"), name="rms")
+CENTRED_RMS = maybe_cast(Either(Terms(mono(1, RMS_OF_CENTRED), mono(1, Var("beta"))), RMS_OF_CENTRED),
+                         cast="cast_out", name="y")
 
 
 class LayerNorm(Rule):
     name = "layer_norm"
     anchors = frozenset({"ReduceMean", "ReduceSum", "GlobalAveragePool"})
-    patterns = (UNFLATTENED, STANDARD)
+    patterns = (UNFLATTENED, STANDARD, CENTRED_RMS)
     near_misses = (
         (Op("Div", Op("Sub", Var("x"), mean_over(Var("x"), "mean")),
             Op("Add", Op("Sqrt", mean_over(Var("sq"), "var")), Var("eps"))), "epsilon",
@@ -87,11 +96,11 @@ class LayerNorm(Rule):
     )
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
-        axes = agreed_axes(m, ("mean", "var"))
+        axes = agreed_axes(m, ("mean", "vmean", "var"))
         channel = channel_axis(axes, m.node("mean"))
         k = 1 if channel is not None else trailing_axes(axes, m.node("mean"))
         check_centring(m)
-        eps = epsilon(m)
+        eps = epsilon(m) if m.node("rms") is None else check_centred_rms(m, k, channel)
         for name in ("sq", "xsq", "msq"):
             check_exponent(m, name, 2.0)
         check_inverse(m)
@@ -160,17 +169,43 @@ class LayerNorm(Rule):
 def check_centring(m: Match) -> None:
     """x - mean must subtract the mean itself: a ReduceSum divided by the count of what it sums, and the same
     coefficient on x and on the mean (``x - 0.9 * mean`` is not centred)."""
-    for x_fact, mean_fact, what in (("d_x", "d_mean", "the centred value"), ("dsq_x", "dsq_mean", "the squared "
-                                    "deviation"), ("scale_x", "scale_mean", "the normalized value")):
+    for x_fact, mean_fact, mean, what in (("d_x", "d_mean", "mean", "the centred value"),
+                                          ("dsq_x", "dsq_mean", "vmean", "the squared deviation"),
+                                          ("scale_x", "scale_mean", "mean", "the normalized value")):
         if m.fact(mean_fact) is None:
             continue
         x_scale = float(m.fact(x_fact))
         if x_fact == "dsq_x" and abs(abs(x_scale) - 1) > 1e-6:
             raise Refusal("mean", f"{what} scales x by {x_scale:g}")
-        check_mean_scale(float(m.fact(mean_fact)) / x_scale, m, "mean", f"{what} (x - mean)")
-    check_mean_scale(float(m.fact("var_scale", 1.0)), m, "var", "the variance", "variance")
+        check_mean_scale(float(m.fact(mean_fact)) / x_scale, m, mean, f"{what} (x - mean)")
+    if m.node("var") is not None:
+        check_mean_scale(float(m.fact("var_scale", 1.0)), m, "var", "the variance", "variance")
     if m.fact("msq_scale") is not None:
-        check_mean_scale(float(m.fact("msq_scale")) ** 0.5, m, "mean", "the squared mean")
+        check_mean_scale(float(m.fact("msq_scale")) ** 0.5, m, "vmean", "the squared mean")
+
+
+def check_centred_rms(m: Match, k: int, channel: int | None) -> float:
+    """RMSNorm(x - mean(x)) is LayerNorm(x) when the RMS op normalizes the axes the mean reduces, computes its
+    statistics as LayerNormalization would (float32, or double for double) and only its output is read; its
+    epsilon."""
+    rms = m.node("rms")
+    rank = rank_of(rms.inputs[0])
+    axis = attr_value(rms, "axis", -1)
+    if channel is not None or rank is None or axis % rank != rank - k:
+        raise Refusal("axes", f"{rms.op_type} '{node_name(rms)}' normalizes from axis {axis}, and the mean it "
+                      f"centres by reduces the last {k} of {rank} axes" if channel is None else "the mean reduces "
+                      "one channel axis")
+    dtype = dtype_of(rms.inputs[0])
+    stash = attr_value(rms, "stash_type", 1)
+    if dtype is None or stash != stash_type(dtype).value:
+        raise Refusal("dtype", f"{rms.op_type} '{node_name(rms)}' computes its statistics in type {stash}, "
+                      f"where LayerNormalization of {dtype} would use {stash_type(dtype) if dtype else '?'}")
+    if any(out.uses() or out.is_graph_output() for out in rms.outputs[1:]):
+        raise Refusal("intermediate", f"the inverse RMS of {rms.op_type} '{node_name(rms)}' is read elsewhere")
+    eps = float(attr_value(rms, "epsilon", 1e-5))
+    if eps < 0 or not np.isfinite(eps):
+        raise Refusal("epsilon", f"epsilon is {eps:g}; the fused op needs a finite epsilon >= 0")
+    return eps
 
 
 def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> str:
