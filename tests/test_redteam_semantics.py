@@ -405,3 +405,14 @@ def test_running_the_cli_in_process_leaves_lnfuse_decompose_a_function(tmp_path:
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_the_size_retry_does_not_accept_a_rewrite_that_fails_where_the_original_runs(target):
+    # x [B, h] * gamma[8]: the original runs only where h is 8 or 1, so the drawn sizes fail and verification
+    # retries at free dims 1 and 2; at h = 1 the original broadcasts the degenerate norm to 8 columns and the fused
+    # op cannot run: the rewrite must be refused, not accepted on the sizes where both happen to run
+    model = _model(_norm(), inputs=[_io("x", ["B", "h"])])
+    result = lnfuse.fuse(model, target=target)
+    assert "LayerNormalization" not in op_types(result.model)
+    assert [u.check for u in result.report.unfused] == ["verify"], _reasons(result)
