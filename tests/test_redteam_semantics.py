@@ -416,3 +416,21 @@ def test_the_size_retry_does_not_accept_a_rewrite_that_fails_where_the_original_
     result = lnfuse.fuse(model, target=target)
     assert "LayerNormalization" not in op_types(result.model)
     assert [u.check for u in result.report.unfused] == ["verify"], _reasons(result)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("op,opset", [("RMSNormalization", 23), ("SimplifiedLayerNormalization", 17)])
+def test_an_rms_norm_of_a_scaled_centred_value_is_not_a_scaled_layer_norm(verify, op, opset):
+    # RMS(c * (x - mean)) = (x - mean) / sqrt(var + eps / c²): the factor c moves into epsilon, not into gamma;
+    # it was folded into gamma (verification refused the result, --no-verify wrote it)
+    target = "onnx" if opset >= 23 else "ort"
+    mean = _node("ReduceMean", ["x", "ax"], "m") if opset >= 18 else _node("ReduceMean", ["x"], "m", axes=[-1])
+    nodes = [mean, _node("Sub", ["x", "m"], "d"), _node("Mul", ["d", "k"], "dk"),
+             _node(op, ["dk", "g"], "y", axis=-1, epsilon=1e-2)]
+    inits = [_const("g", np.linspace(0.5, 1.5, H)), _const("k", 2.0), _const("ax", [-1], np.int64)]
+    model = _model(nodes, inits=inits, opset=opset)
+    model.ir_version = 10 if opset >= 23 else 8
+    result = _fused(model, target, verify)
+    assert "LayerNormalization" not in op_types(result.model)
+    if not verify:
+        assert [u.check for u in result.report.unfused] == ["epsilon"], _reasons(result)
