@@ -133,7 +133,7 @@ class EmbedNorm(Rule):
         if dtype not in _KERNEL_DTYPES or not isinstance(hidden, int):
             raise Refusal("dtype", f"the kernel takes float32/float16 with a known hidden size, not {dtype} "
                           f"[..., {hidden}]")
-        lookups = [_classify(m, i, s) for i in range(3) if m.node(f"gather{i}") is not None]
+        lookups = [_classify(m, i, s, ctx) for i in range(3) if m.node(f"gather{i}") is not None]
         folded = [m.value(f"folded{i}") for i in range(3) if m.value(f"folded{i}") is not None]
         if len(folded) > 1:
             raise Refusal("terms", "the embedding sum has more than one constant term")
@@ -225,7 +225,7 @@ def _same_dim(a, b) -> bool:
     return a is not None and b is not None and a.value is not None and a.value == b.value
 
 
-def _classify(m: Match, i: int, total: ir.Value) -> _Lookup:
+def _classify(m: Match, i: int, total: ir.Value, ctx: GraphContext) -> _Lookup:
     gather = m.node(f"gather{i}")
     table, ids = m.value(f"table{i}"), m.value(f"ids{i}")
     dq = m.node(f"dq{i}")
