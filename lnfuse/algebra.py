@@ -182,12 +182,15 @@ def _leaf(value: ir.Value) -> list[Monomial]:
 
 def _scalar(value: ir.Value | None, node: ir.Node) -> Fraction | None:
     """A one-element constant operand that does not raise the rank of ``node``'s result, as an exact fraction."""
-    if value is None or value.shape is None or not value.shape.is_static() or \
-            any(int(d) != 1 for d in value.shape):
+    if value is None:
+        return None
+    # a constant the graph leaves untyped (in a function no single call signature types) has its value's shape
+    shape = value.shape if value.shape is not None else _static_shape(value)
+    if shape is None or not shape.is_static() or any(int(d) != 1 for d in shape):
         return None
     # the result always has the constant's rank: it is the other operand's rank that must be at least as large
     others = [v for v in node.inputs if v is not None and v is not value] or [value]
-    if len(value.shape) > 0 and any(v.shape is None or len(v.shape) < len(value.shape) for v in others):
+    if len(shape) > 0 and any(v.shape is None or len(v.shape) < len(shape) for v in others):
         return None
     array = static_value(value)
     if array is None or array.dtype.kind not in "fiu":
@@ -196,6 +199,11 @@ def _scalar(value: ir.Value | None, node: ir.Node) -> Fraction | None:
     if not np.isfinite(number):
         return None
     return Fraction(number)
+
+
+def _static_shape(value: ir.Value) -> ir.Shape | None:
+    array = static_value(value)
+    return None if array is None else ir.Shape(np.shape(array))
 
 
 def _expand(value: ir.Value, chain: set[ir.Node], nodes: list[ir.Node], memo: dict) -> list[Monomial]:

@@ -120,7 +120,9 @@ def _run(command: str, args: argparse.Namespace) -> int:
     import numpy as np
 
     from lnfuse.api import fuse
-    from lnfuse.decompose import decompose
+    # through the package: importing the submodule by its own name would rebind lnfuse.decompose to the module,
+    # and a later lnfuse.decompose(...) in the same process would call a module
+    from lnfuse import decompose
 
     if command == "decompose":
         result = decompose(args.model, verify_rewrites=not args.no_verify)

@@ -83,7 +83,7 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
                 report.unfused.append(Unfused("decompose", scope.path, f"{node.op_type} '{node.name}'", "verify",
                                               outcome.detail, [node.name]))
                 continue
-            apply(scope.graph, rep, position)
+            apply(scope.graph, rep, position, ctx.fresh_name)
             kept.append(rep)
             report.fused.append(Fused("decompose", node.op_type, scope.path, [node.name], rep.attributes,
                                       None if outcome is None else outcome.max_error))

@@ -98,7 +98,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
             found = find(rule, ctx)
             kept = _verified(found.accepted, model, scope, options, report, found)
             for candidate in kept:
-                apply(scope.graph, candidate.replacement, found.position)
+                apply(scope.graph, candidate.replacement, found.position, ctx.fresh_name)
                 opsets_used.update(candidate.replacement.opset_imports)
             refusals.append((rule, found))
             if kept:
@@ -370,10 +370,11 @@ def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Rep
                 others=[Refused(check, reason, matched) for (check, reason), matched in others.items()]))
 
 
-def apply(graph: ir.Graph | ir.Function, rep: Replacement, position: dict[ir.Node, float]) -> None:
+def apply(graph: ir.Graph | ir.Function, rep: Replacement, position: dict[ir.Node, float],
+          fresh_name: Callable[[str], str]) -> None:
     """Put the new nodes where the region's last node was, point every reader at the new values, drop the region.
     ``position`` (graph order at the start of the pass) gets the new nodes, between the region's last node and the
-    node after it."""
+    node after it. ``fresh_name`` names the nodes made here (a node name the model already uses makes it invalid)."""
     host = graph.graph if isinstance(graph, ir.Function) else graph
     new_constants = []
     for node in rep.nodes:
@@ -386,7 +387,7 @@ def apply(graph: ir.Graph | ir.Function, rep: Replacement, position: dict[ir.Nod
     for value in new_constants:
         if isinstance(graph, ir.Function):  # functions have no initializers
             constant_nodes.append(ir.node("Constant", [], {"value": value.const_value}, outputs=[value],
-                                          name=f"{value.name}/Constant"))
+                                          name=fresh_name(f"{value.name}/Constant")))
         else:
             host.register_initializer(value)
     inserted = constant_nodes + rep.nodes
@@ -399,7 +400,7 @@ def apply(graph: ir.Graph | ir.Function, rep: Replacement, position: dict[ir.Nod
     for old, new in rep.outputs.items():
         if old.is_graph_output():
             if new in named_outputs:
-                identity = ir.node("Identity", [new], name=f"{old.name}/Identity")
+                identity = ir.node("Identity", [new], name=fresh_name(f"{old.name}/Identity"))
                 host.insert_after(rep.nodes[-1], [identity])
                 inserted.append(identity)
                 new = identity.outputs[0]

@@ -132,6 +132,9 @@ def boundaries(m: Match) -> list[Boundary]:
                     _normalized_cast_ok(m.node("cast_normalized"), dtype_of(x)):
                 kept = set(keep_x + keep_y)
                 found.append(Boundary(x, y, dtype_of(x), [n for n in region if n not in kept]))
+    if not found and None in (dtype_of(x_inner), dtype_of(y_outer)):
+        raise Refusal("dtype", f"the dtype of '{x_inner.name}' or '{y_outer.name}' is unknown (inference could not "
+                      "type it: in a function whose calls pass different types or shapes, say)")
     if not found:
         raise Refusal("dtype", f"input dtype {dtype_of(x_inner)} and output dtype {dtype_of(y_outer)} cannot be "
                       f"carried by one fused op")

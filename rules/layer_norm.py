@@ -202,6 +202,11 @@ def check_centred_rms(m: Match, k: int, channel: int | None) -> float:
                       f"where LayerNormalization of {dtype} would use {stash_type(dtype) if dtype else '?'}")
     if any(out.uses() or out.is_graph_output() for out in rms.outputs[1:]):
         raise Refusal("intermediate", f"the inverse RMS of {rms.op_type} '{node_name(rms)}' is read elsewhere")
+    scale = float(m.fact("d_x", 1.0))
+    if abs(scale - 1) > 1e-6:
+        # RMS(c * d) = d / sqrt(mean(d²) + eps / c²): the factor moves into epsilon, not into gamma
+        raise Refusal("epsilon", f"{rms.op_type} '{node_name(rms)}' normalizes (x - mean) * {scale:g}: its epsilon "
+                      f"acts as epsilon / {scale * scale:g} on x - mean")
     eps = float(attr_value(rms, "epsilon", 1e-5))
     if eps < 0 or not np.isfinite(eps):
         raise Refusal("epsilon", f"epsilon is {eps:g}; the fused op needs a finite epsilon >= 0")

@@ -9,6 +9,8 @@ values, NaN and inf). The written model must pass the full checker (``--target o
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -362,3 +364,73 @@ def test_a_size_one_axis_the_original_broadcasts_makes_the_fused_op_fail_loudly(
     np.testing.assert_allclose(session(model).run(None, {"x": x})[0], beta, atol=1e-6)
     with pytest.raises(Exception, match="Scale and \\(optional\\) bias must match"):
         session(fused).run(None, {"x": x})
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_a_second_graph_output_for_one_statistic_gets_a_node_name_of_its_own(target):
+    # two graph outputs hold 1/std (Reciprocal and Div(1, std)): the fused op exposes InvStdDev once and an Identity
+    # gives the second its name; that Identity was named '<output>/Identity' even when a node had that name, and
+    # ONNX Runtime refused the written model ("two nodes with same node name")
+    nodes = _norm() + [_node("Reciprocal", ["std"], "inv1"), _node("Div", ["one", "std"], "inv2"),
+                       oh.make_node("Relu", ["x"], ["r"], name="inv2/Identity")]
+    model = _model(nodes, outputs=[_io("y", ["B", H]), _io("inv1", ["B", 1]), _io("inv2", ["B", 1]),
+                                   _io("r", ["B", H])], inits=_params() + [_const("one", 1.0)])
+    result = _fused(model, target, verify=True)
+    names = [n.name for n in result.model.graph.node if n.name]
+    assert "LayerNormalization" in op_types(result.model) and len(names) == len(set(names))
+
+
+def test_a_norm_in_a_function_typed_by_no_call_is_refused_for_its_types():
+    # two calls with different gamma shapes leave the body untyped; the epsilon and exponent Constants then had no
+    # shape, the layer-norm pattern did not match at all, and the report blamed an RMS "formula" instead
+    body = [oh.make_node("Constant", [], ["two"], value_float=2.0),
+            oh.make_node("Constant", [], ["eps"], value_float=1e-5)] + _norm()
+    function = oh.make_function("local", "LN", ["x", "g", "b"], ["y"], body, [oh.make_opsetid("", 17)])
+    model = _model([oh.make_node("LN", ["x", "g", "b"], ["y"], domain="local"),
+                    oh.make_node("LN", ["x", "g1", "b1"], ["y1"], domain="local")],
+                   outputs=[_io("y", ["B", H]), _io("y1", ["B", H])],
+                   inits=_params(two=None, eps=None, g1=[2.0], b1=[0.5]), functions=[function], domains=["local"])
+    result = _fused(model, "ort", verify=True)
+    assert [(u.rule, u.check) for u in result.report.unfused] == [("layer_norm", "dtype")], _reasons(result)
+
+
+def test_running_the_cli_in_process_leaves_lnfuse_decompose_a_function(tmp_path: Path):
+    # the CLI imported lnfuse.decompose (the submodule) by name, which rebinds the package's attribute to the
+    # module: lnfuse.decompose(...) afterwards raised "'module' object is not callable"
+    source = tmp_path / "norm.onnx"
+    onnx.save(_model(_norm()), source)
+    script = ("import sys, lnfuse\nfrom lnfuse.cli import main\n"
+              f"assert main([{str(source)!r}, '-o', {str(tmp_path / 'fused.onnx')!r}, '-q']) == 0\n"
+              "print(callable(lnfuse.decompose))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_the_size_retry_does_not_accept_a_rewrite_that_fails_where_the_original_runs(target):
+    # x [B, h] * gamma[8]: the original runs only where h is 8 or 1, so the drawn sizes fail and verification
+    # retries at free dims 1 and 2; at h = 1 the original broadcasts the degenerate norm to 8 columns and the fused
+    # op cannot run: the rewrite must be refused, not accepted on the sizes where both happen to run
+    model = _model(_norm(), inputs=[_io("x", ["B", "h"])])
+    result = lnfuse.fuse(model, target=target)
+    assert "LayerNormalization" not in op_types(result.model)
+    assert [u.check for u in result.report.unfused] == ["verify"], _reasons(result)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("op,opset", [("RMSNormalization", 23), ("SimplifiedLayerNormalization", 17)])
+def test_an_rms_norm_of_a_scaled_centred_value_is_not_a_scaled_layer_norm(verify, op, opset):
+    # RMS(c * (x - mean)) = (x - mean) / sqrt(var + eps / c²): the factor c moves into epsilon, not into gamma;
+    # it was folded into gamma (verification refused the result, --no-verify wrote it)
+    target = "onnx" if opset >= 23 else "ort"
+    mean = _node("ReduceMean", ["x", "ax"], "m") if opset >= 18 else _node("ReduceMean", ["x"], "m", axes=[-1])
+    nodes = [mean, _node("Sub", ["x", "m"], "d"), _node("Mul", ["d", "k"], "dk"),
+             _node(op, ["dk", "g"], "y", axis=-1, epsilon=1e-2)]
+    inits = [_const("g", np.linspace(0.5, 1.5, H)), _const("k", 2.0), _const("ax", [-1], np.int64)]
+    model = _model(nodes, inits=inits, opset=opset)
+    model.ir_version = 10 if opset >= 23 else 8
+    result = _fused(model, target, verify)
+    assert "LayerNormalization" not in op_types(result.model)
+    if not verify:
+        assert [u.check for u in result.report.unfused] == ["epsilon"], _reasons(result)
