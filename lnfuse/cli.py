@@ -197,9 +197,12 @@ def run() -> None:
     them again and again, and at exit the interpreter would take every one apart: together 0.1 to 0.4 s on a model
     lnfuse fuses in under a second. So the collector stays off (the fuse pauses it anyway, see
     ``api._cycle_collection_paused``), and once everything is written, closed and flushed the process ends without
-    the teardown. ``main`` called from Python changes neither."""
+    the teardown, unless a profiler or tracer watches it (cProfile, coverage: they write their results at exit).
+    ``main`` called from Python changes neither."""
     gc.disable()
     code = main()
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(code)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
