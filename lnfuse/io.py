@@ -468,11 +468,13 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
             raise OutputError(f"{target}: folder {str(where)!r} does not exist; create it first")
         if not os.access(where, os.W_OK):
             raise OutputError(f"{target}: folder {str(where)!r} is not writable; choose another output path")
-    _check_overwrites(model, target, folder, external_data, input_path, in_place, source, report_path)
+    # weights that go to ``<output>.data``: asked for, or too many to stay inline (walks every tensor: once)
+    spill = external_data == "single" or _inline_bytes(model) > _INLINE_LIMIT
+    _check_overwrites(model, target, folder, external_data, spill, input_path, in_place, source, report_path)
     try:
         with Staging() as staging:
             tmp = staging.area(folder)
-            _write(model, tmp / target.name, external_data, folder, source)
+            _write(model, tmp / target.name, external_data, spill, folder, source)
             if report is not None:
                 (staging.area(report_path.parent) / report_path.name).write_text(report[1])
             staging.commit(last=target)
@@ -485,7 +487,7 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
 _INLINE_LIMIT = onnx.checker.MAXIMUM_PROTOBUF * 0.9
 
 
-def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data: str | None,
+def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data: str | None, spill: bool,
                       input_path: Path | None, in_place: bool, source: SourceWeights | None,
                       report: Path | None) -> None:
     """Before anything is written: no path the run writes is a file it reads (see ``trust.check_no_overwrite``)."""
@@ -495,7 +497,7 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
     read_paths += [file for file, _ in _referenced_files(model)]
     reads = {ident: p for p in read_paths if (ident := trust.identity(p)) is not None}
     writes = [target]
-    if external_data == "single" or _inline_bytes(model) > _INLINE_LIMIT:
+    if spill:
         writes.append(folder / (target.name + ".data"))
     elif external_data == "keep":
         writes += [trust.confined(folder, location) for file, location in _referenced_files(model)
@@ -507,17 +509,13 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
     trust.check_no_overwrite(reads, writes + ([report] if report is not None else []), allowed)
 
 
-def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: Path,
+def _write(model: ir.Model, tmp_model: Path, external_data: str | None, spill: bool, folder: Path,
            source: SourceWeights | None) -> None:
     for tensor in _main_graph_tensors(model):
         if isinstance(tensor, InlineWeight):
             tensor.check_source()
-    data_name = tmp_model.name + ".data"
-    if external_data == "single":
-        ir.save(model, tmp_model, external_data=data_name)
-        return
-    if _inline_bytes(model) > _INLINE_LIMIT:
-        ir.save(model, tmp_model, external_data=data_name)
+    if spill:
+        ir.save(model, tmp_model, external_data=tmp_model.name + ".data")
         return
     _write_streamed(model, tmp_model, source)
     if external_data == "keep":
