@@ -37,7 +37,7 @@ import onnx.helper as oh
 from onnx import TensorProto, numpy_helper
 
 from make_models import DEFAULT_OUT
-from process import ChildRun, command, competition_note, cpu_snapshot, run_child
+from process import ChildRun, command, compile_lnfuse, competition_note, cpu_snapshot, run_child
 
 CONSTANT_LAYERS = 10
 CONSTANT_HIDDEN, CONSTANT_FFN = 1024, 4096
@@ -221,13 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         models.append(ensure_model(args.models, "constant_weights_671mb.onnx", build_constant_weights))
     if args.only != "constants":
         models.append(ensure_model(args.models, f"chain_{args.chain}nodes.onnx", lambda: build_chain(args.chain)))
+    compiled = compile_lnfuse() if "lnfuse" in tools else ""
     cpu_start = cpu_snapshot()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lnfuse-scale-", dir=args.models) as tmp:
         runs = run_rounds(models, tools, args.rounds, Path(tmp), args.timeout)
     print()
     lines = print_table(models, tools, runs)
-    print("\n".join(lines))
+    print("\n".join(lines + ([compiled] if compiled else [])))
     print(f"\n{args.rounds} rounds, {time.perf_counter() - start:.0f} s; onnx {onnx.__version__}")
     print(competition_note(cpu_start))
     return 0

@@ -56,7 +56,7 @@ import onnxruntime as ort
 
 # Run as a script, so this file's folder is on sys.path and make_models (next to it) imports without torch.
 from make_models import DEFAULT_OUT, STACK_LAYERS, ensure_stacks, stack_model_name
-from process import ChildRun, command, competition_note, cpu_snapshot, run_child
+from process import ChildRun, command, compile_lnfuse, competition_note, cpu_snapshot, run_child
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_MODEL = REPO / "sample_models" / "bert_tiny_legacy_op14.onnx"
@@ -346,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         times = run_rounds(models, tools, args.rounds, scratch, progress=not args.quiet)
         chosen = [m for m in models if args.process_models == "all" or m.name in args.process_models.split(",")]
+        if chosen and args.process_rounds and any(t.startswith("lnfuse") for t in tools):
+            notes.append(compile_lnfuse())
         processes = run_process_rounds(chosen, tools, args.process_rounds, scratch, progress=not args.quiet)
     print_table(models, tools, times, processes)
     depth = depth_ratios(tools, times)

@@ -19,7 +19,7 @@ twin ``x - mean`` nodes of old exports still make a square.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Iterable
 
@@ -60,15 +60,32 @@ class Expansion:
     nodes: tuple[ir.Node, ...]  # the chain nodes the terms were read through
 
 
-def expand(value: ir.Value) -> Expansion:
+@dataclass
+class Cache:
+    """What was worked out about a graph while it does not change: the engine keeps one per pass (a rule's matching
+    over one graph) and drops it before rewriting. Patterns tried at one node after another meet the same values
+    again and again; each is expanded, and each producer chain judged static or not, once."""
+
+    #: ``constants.is_static`` answers
+    static: dict = field(default_factory=dict)
+    #: ``expand`` results
+    expansions: dict = field(default_factory=dict)
+
+
+def expand(value: ir.Value, cache: Cache | None = None) -> Expansion:
     """The normal form of ``value``: its monomials, and the nodes they were read through."""
-    chain = _chain(value)
-    nodes: list[ir.Node] = []
-    terms = _expand(value, chain, nodes, {})
-    return Expansion(tuple(terms), tuple(nodes))
+    if cache is not None and value in cache.expansions:
+        return cache.expansions[value]
+    static = cache.static if cache is not None else None
+    walk = _Walk(_chain(value, static), static)
+    terms = _expand(value, walk)
+    found = Expansion(tuple(terms), tuple(walk.nodes))
+    if cache is not None:
+        cache.expansions[value] = found
+    return found
 
 
-def power_view(value: ir.Value) -> tuple[ir.Value, Fraction, float, ir.Node] | None:
+def power_view(value: ir.Value, static: dict | None = None) -> tuple[ir.Value, Fraction, float, ir.Node] | None:
     """``(base, p, c, node)`` when ``value`` is ``c * base ** p`` by one node: Sqrt, Reciprocal, Pow, Div(1, base),
     Neg, or a product or quotient with a one-element constant (``ReduceSum(x) / N``)."""
     node = value.producer()
@@ -82,18 +99,18 @@ def power_view(value: ir.Value) -> tuple[ir.Value, Fraction, float, ir.Node] | N
     if node.op_type == "Neg":
         return ins[0], Fraction(1), -1.0, node
     if node.op_type == "Pow":
-        p = _scalar(ins[1], node)
+        p = _scalar(ins[1], node, static)
         return (ins[0], p, 1.0, node) if p is not None else None
     if node.op_type == "Mul":
         for i in (0, 1):
-            c = _scalar(ins[i], node)
+            c = _scalar(ins[i], node, static)
             if c is not None:
                 return ins[1 - i], Fraction(1), float(c), node
         return None
-    c = _scalar(ins[1], node)
+    c = _scalar(ins[1], node, static)
     if c is not None and c != 0:
         return ins[0], Fraction(1), 1.0 / float(c), node
-    c = _scalar(ins[0], node)
+    c = _scalar(ins[0], node, static)
     return (ins[1], Fraction(-1), float(c), node) if c is not None else None
 
 
@@ -142,29 +159,28 @@ def _is_chain(node: ir.Node | None) -> bool:
     return node is not None and _is_onnx(node) and node.op_type in CHAIN and len(node.outputs) == 1
 
 
-def _chain(root: ir.Value) -> set[ir.Node]:
+def _chain(root: ir.Value, static: dict | None) -> set[ir.Node]:
     """Chain nodes reachable from root whose results are read only inside the chain (root's own node excepted)."""
-    found: list[ir.Node] = []
+    chain: set[ir.Node] = set()
     stack = [root]
-    while stack and len(found) < _MAX_CHAIN:
+    while stack and len(chain) < _MAX_CHAIN:
         value = stack.pop()
         node = value.producer()
-        if not _is_chain(node) or node in found or is_static(value):
+        if not _is_chain(node) or node in chain or is_static(value, 0, static):
             continue
-        found.append(node)
+        chain.add(node)
         stack.extend(v for v in node.inputs if v is not None)
-    chain = set(found)
     top = root.producer()
-    changed = True
-    while changed:
-        changed = False
-        for node in list(chain):
-            if node is top:
-                continue
-            out = node.outputs[0]
-            if out.is_graph_output() or any(user not in chain for user, _ in out.uses()):
-                chain.discard(node)
-                changed = True
+    # a node whose result is also read outside leaves the chain; then the chain nodes it read are checked again
+    queue = list(chain)
+    while queue:
+        node = queue.pop()
+        if node is top or node not in chain:
+            continue
+        out = node.outputs[0]
+        if out.is_graph_output() or any(user not in chain for user, _ in out.uses()):
+            chain.discard(node)
+            queue.extend(v.producer() for v in node.inputs if v is not None and v.producer() in chain)
     # keep only what is still reachable from the root through the chain
     reachable, stack = set(), [top]
     while stack:
@@ -180,19 +196,19 @@ def _leaf(value: ir.Value) -> list[Monomial]:
     return [Monomial(1.0, (Factor(value, Fraction(1)),))]
 
 
-def _scalar(value: ir.Value | None, node: ir.Node) -> Fraction | None:
+def _scalar(value: ir.Value | None, node: ir.Node, static: dict | None) -> Fraction | None:
     """A one-element constant operand that does not raise the rank of ``node``'s result, as an exact fraction."""
     if value is None:
         return None
     # a constant the graph leaves untyped (in a function no single call signature types) has its value's shape
-    shape = value.shape if value.shape is not None else _static_shape(value)
+    shape = value.shape if value.shape is not None else _static_shape(value, static)
     if shape is None or not shape.is_static() or any(int(d) != 1 for d in shape):
         return None
     # the result always has the constant's rank: it is the other operand's rank that must be at least as large
     others = [v for v in node.inputs if v is not None and v is not value] or [value]
     if len(shape) > 0 and any(v.shape is None or len(v.shape) < len(shape) for v in others):
         return None
-    array = static_value(value)
+    array = static_value(value, static)
     if array is None or array.dtype.kind not in "fiu":
         return None
     number = float(np.asarray(array).reshape(-1)[0])
@@ -201,61 +217,74 @@ def _scalar(value: ir.Value | None, node: ir.Node) -> Fraction | None:
     return Fraction(number)
 
 
-def _static_shape(value: ir.Value) -> ir.Shape | None:
-    array = static_value(value)
+def _static_shape(value: ir.Value, static: dict | None) -> ir.Shape | None:
+    array = static_value(value, static)
     return None if array is None else ir.Shape(np.shape(array))
 
 
-def _expand(value: ir.Value, chain: set[ir.Node], nodes: list[ir.Node], memo: dict) -> list[Monomial]:
-    if value in memo:
-        return memo[value]
+@dataclass
+class _Walk:
+    """One expansion in progress: the chain it may read through, the nodes read so far, the monomials of the values
+    already expanded, and the ``is_static`` answers of the pass."""
+
+    chain: set[ir.Node]
+    static: dict | None
+    nodes: list[ir.Node] = field(default_factory=list)
+    done: dict = field(default_factory=dict)
+
+
+def _expand(value: ir.Value, walk: _Walk) -> list[Monomial]:
+    if value in walk.done:
+        return walk.done[value]
     node = value.producer()
-    if node is None or node not in chain:
+    if node is None or node not in walk.chain:
         return _leaf(value)
-    result = _expand_node(node, chain, nodes, memo)
+    result = _expand_node(node, walk)
     if result is None or len(result) > _MAX_TERMS:
         return _leaf(value)
-    if node not in nodes:
-        nodes.append(node)
-    memo[value] = result
+    if node not in walk.nodes:
+        walk.nodes.append(node)
+    walk.done[value] = result
     return result
 
 
-def _expand_node(node: ir.Node, chain, nodes, memo) -> list[Monomial] | None:
+def _expand_node(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
     op = node.op_type
     ins = node.inputs
     if op == "Identity":
-        return _expand(ins[0], chain, nodes, memo)
+        return _expand(ins[0], walk)
     if op in ("Add", "Sub"):
-        a, b = _expand(ins[0], chain, nodes, memo), _expand(ins[1], chain, nodes, memo)
+        a, b = _expand(ins[0], walk), _expand(ins[1], walk)
         return a + (b if op == "Add" else _scaled(b, -1.0))
     if op == "Neg":
-        return _scaled(_expand(ins[0], chain, nodes, memo), -1.0)
+        return _scaled(_expand(ins[0], walk), -1.0)
     if op == "Mul":
         for i in (0, 1):
-            c = _scalar(ins[i], node)
+            c = _scalar(ins[i], node, walk.static)
             if c is not None:
-                return _scaled(_expand(ins[1 - i], chain, nodes, memo), float(c))
-        return _product(_operand(ins[0], chain, nodes, memo), _operand(ins[1], chain, nodes, memo))
+                return _scaled(_expand(ins[1 - i], walk), float(c))
+        return _product(_operand(ins[0], walk), _operand(ins[1], walk))
     if op == "Div":
-        c = _scalar(ins[1], node)
+        c = _scalar(ins[1], node, walk.static)
         if c is not None:
-            return None if c == 0 else _scaled(_expand(ins[0], chain, nodes, memo), 1.0 / float(c))
-        inverse = _power(_operand(ins[1], chain, nodes, memo), Fraction(-1))
-        if _scalar(ins[0], node) is not None:
-            return None if inverse is None else _scaled(inverse, float(_scalar(ins[0], node)))
-        return None if inverse is None else _product(_operand(ins[0], chain, nodes, memo), inverse)
+            return None if c == 0 else _scaled(_expand(ins[0], walk), 1.0 / float(c))
+        inverse = _power(_operand(ins[1], walk), Fraction(-1))
+        numerator = _scalar(ins[0], node, walk.static)
+        if numerator is not None:
+            return None if inverse is None else _scaled(inverse, float(numerator))
+        return None if inverse is None else _product(_operand(ins[0], walk), inverse)
     if op in ("Reciprocal", "Sqrt", "Pow"):
-        p = Fraction(-1) if op == "Reciprocal" else Fraction(1, 2) if op == "Sqrt" else _scalar(ins[1], node)
+        p = Fraction(-1) if op == "Reciprocal" else Fraction(1, 2) if op == "Sqrt" else \
+            _scalar(ins[1], node, walk.static)
         if p is None:
             return None
-        return _power(_operand(ins[0], chain, nodes, memo), p)
+        return _power(_operand(ins[0], walk), p)
     return None
 
 
-def _operand(value: ir.Value, chain, nodes, memo) -> list[Monomial]:
+def _operand(value: ir.Value, walk: _Walk) -> list[Monomial]:
     """An operand of a product: its monomials, or itself as one factor when it is a sum of several."""
-    terms = _expand(value, chain, nodes, memo)
+    terms = _expand(value, walk)
     return terms if len(terms) == 1 else _leaf(value)
 
 

@@ -10,6 +10,8 @@ never read by ``is_static``.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx_ir as ir
 
@@ -24,8 +26,25 @@ def _is_onnx(node: ir.Node) -> bool:
     return node.domain in ("", "ai.onnx")
 
 
-def is_static(value: ir.Value, depth: int = 0) -> bool:
-    """True when the value is fixed at build time. Reads no tensor data."""
+def is_static(value: ir.Value, depth: int = 0, memo: dict | None = None) -> bool:
+    """True when the value is fixed at build time. Reads no tensor data.
+
+    ``memo`` keeps answers while the graph does not change (the engine keeps one per pass): without it, the walk up
+    a value's producers runs again for every chain that meets the value. The answer depends on how deep the walk
+    already is (it gives up past ``_MAX_DEPTH``) and holds up to some depth, failing beyond: per value, the memo
+    keeps the deepest depth known to hold and the shallowest known to fail."""
+    if memo is None:
+        return _is_static(value, depth, None)
+    holds, fails = memo.get(value, (-1, math.inf))
+    if depth <= holds or depth >= fails:
+        return depth <= holds
+    answer = _is_static(value, depth, memo)
+    holds, fails = memo.get(value, (-1, math.inf))
+    memo[value] = (max(holds, depth), fails) if answer else (holds, min(fails, depth))
+    return answer
+
+
+def _is_static(value: ir.Value, depth: int, memo: dict | None) -> bool:
     if value is None or value.is_graph_input():
         return False
     node = value.producer()
@@ -44,8 +63,8 @@ def is_static(value: ir.Value, depth: int = 0) -> bool:
     if node.op_type == "CastLike":
         # reads only the dtype of its second input
         like = node.inputs[1]
-        return like is not None and like.type is not None and is_static(node.inputs[0], depth + 1)
-    return all(v is None or is_static(v, depth + 1) for v in node.inputs)
+        return like is not None and like.type is not None and is_static(node.inputs[0], depth + 1, memo)
+    return all(v is None or is_static(v, depth + 1, memo) for v in node.inputs)
 
 
 def _read_dims(node: ir.Node) -> list | None:
@@ -59,9 +78,9 @@ def _read_dims(node: ir.Node) -> list | None:
     return dims
 
 
-def static_value(value: ir.Value | None) -> np.ndarray | None:
-    """The value's numbers if ``is_static`` holds, else None."""
-    if value is None or not is_static(value):
+def static_value(value: ir.Value | None, memo: dict | None = None) -> np.ndarray | None:
+    """The value's numbers if ``is_static`` holds, else None (``memo`` as for ``is_static``)."""
+    if value is None or not is_static(value, 0, memo):
         return None
     try:
         return _evaluate(value)

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from lnfuse.algebra import Cache
 from lnfuse.canonical import canonicalize
 from lnfuse.constants import static_value
 from lnfuse.pattern import Match
@@ -140,13 +141,14 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
     nodes = list(ctx.graph)
     position: dict[ir.Node, float] = {node: i for i, node in enumerate(nodes)}
     found = _Pass(position=position)
+    cache = Cache()  # what matching works out about the graph; valid until the pass rewrites it
     consumed: set[ir.Node] = set()
     roots = [p.root_ops() for p in rule.patterns]
     roots = None if None in roots else frozenset().union(*roots)
     for node in reversed(nodes):
         if node in consumed or not node.outputs or (roots is not None and node.op_type not in roots):
             continue
-        candidate = _first_valid(rule, ctx, node.outputs[0], consumed, found, position)
+        candidate = _first_valid(rule, ctx, node.outputs[0], consumed, found, position, cache)
         if candidate is not None:
             found.accepted.append(candidate)
             consumed.update(candidate.replacement.region)
@@ -155,7 +157,7 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
         for node in nodes:
             if near_roots is not None and node.op_type not in near_roots:
                 continue  # the pattern cannot match here: skip making a matcher per node
-            for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match())):
+            for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match(cache=cache))):
                 for anchor in rule.anchor_nodes(m):
                     if anchor not in consumed:
                         found.refused.setdefault(anchor, []).append(_Attempt(Refusal(check, reason), list(m.nodes)))
@@ -203,9 +205,9 @@ def _limited(matches: Iterator[Match]) -> Iterator[Match]:
 
 
 def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir.Node],
-                 found: _Pass, position: dict[ir.Node, float]) -> _Candidate | None:
+                 found: _Pass, position: dict[ir.Node, float], cache: Cache) -> _Candidate | None:
     for pattern in rule.patterns:
-        for m in _limited(pattern.match(root, Match())):
+        for m in _limited(pattern.match(root, Match(cache=cache))):
             if consumed.intersection(m.nodes):
                 continue
             anchors = list(rule.anchor_nodes(m))

@@ -96,21 +96,21 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Pa
                              "upgrade onnx or re-export at a lower opset")
     checked = _skeleton(proto, base_dir)
     declare_output_shapes(proto, checked)  # outputs typed without a shape: ORT reads them as unknown rank
+    ort_only = _ort_only_ops(checked)
+    # ONNX Runtime's default-domain ops (a model fused with --target ort): everything else is checked
+    without = _without_ort_only_ops(checked, ort_only) if ort_only else checked
     try:
         onnx.checker.check_model(checked)
-        _check_types(checked, where)
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as error:
-        if not _ort_only_ops(checked):
+        if not ort_only:
             raise InputError(f"{where}: fails the ONNX checker ({first_line(error)}); fix or re-export the model")\
                 from None
-        # ONNX Runtime's default-domain ops (a model fused with --target ort): check everything else
         try:
-            onnx.checker.check_model(_without_ort_only_ops(checked))
+            onnx.checker.check_model(without)
         except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as again:
             raise InputError(f"{where}: fails the ONNX checker ({first_line(again)}); fix or re-export the model")\
                 from None
-    if _ort_only_ops(checked):
-        _check_types(_without_ort_only_ops(checked), where)
+    _check_types(without, where)
     return checked
 
 
@@ -121,9 +121,8 @@ _TYPE_ERRORS = ("TypeInferenceError", "inconsistent type", "unsupported type")
 def _check_types(checked: onnx.ModelProto, where: str) -> None:
     """onnx's basic checker does not look at types; ONNX Runtime refuses a node whose inputs bind one type
     parameter to two types, and what lnfuse would write from it fails the full checker. Only type errors are
-    refused: a declared shape that disagrees with the inferred one is a claim ORT ignores (see ``shapes``)."""
-    if _ort_only_ops(checked):
-        return  # checked again without them by the caller
+    refused: a declared shape that disagrees with the inferred one is a claim ORT ignores (see ``shapes``).
+    ``checked`` holds no op only ONNX Runtime defines (onnx's inference would stop there)."""
     try:
         onnx.shape_inference.infer_shapes(checked, check_type=True, strict_mode=True)
     except Exception as error:  # noqa: BLE001 - onnx also raises ValueError (an undefined elem type): no verdict
@@ -141,8 +140,6 @@ _ORT_DOMAIN = "lnfuse.ort_default_domain"
 
 def _ort_only_ops(proto: onnx.ModelProto) -> set[str]:
     """Default-domain ops of the model that ONNX does not define at the model's opset but ONNX Runtime does."""
-    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
-
     opset = next((i.version for i in proto.opset_import if i.domain in ("", "ai.onnx")), 1)
     missing = set()
     for op in {n.op_type for n in _every_node(proto) if n.domain in ("", "ai.onnx")}:
@@ -150,8 +147,12 @@ def _ort_only_ops(proto: onnx.ModelProto) -> set[str]:
             onnx.defs.get_schema(op, opset, "")
         except onnx.defs.SchemaError:
             missing.add(op)
+    if not missing:
+        return missing  # listing ORT's schemas costs 0.1 s: only when there is something to look up
+    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+
     ort = {s.name for s in get_all_operator_schema() if s.domain == ""}
-    return missing if missing and missing <= ort else set()
+    return missing if missing <= ort else set()
 
 
 def _every_node(proto: onnx.ModelProto):
@@ -165,9 +166,9 @@ def _every_node(proto: onnx.ModelProto):
                 stack.extend(g.node for g in attr.graphs)
 
 
-def _without_ort_only_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
+def _without_ort_only_ops(proto: onnx.ModelProto, ops: set[str]) -> onnx.ModelProto:
+    """A copy whose ``ops`` (from ``_ort_only_ops``) are in a domain of their own, which onnx does not check."""
     copy = onnx.ModelProto.FromString(proto.SerializeToString())
-    ops = _ort_only_ops(copy)
     for node in _every_node(copy):
         if node.op_type in ops and node.domain in ("", "ai.onnx"):
             node.domain = _ORT_DOMAIN
@@ -468,11 +469,13 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
             raise OutputError(f"{target}: folder {str(where)!r} does not exist; create it first")
         if not os.access(where, os.W_OK):
             raise OutputError(f"{target}: folder {str(where)!r} is not writable; choose another output path")
-    _check_overwrites(model, target, folder, external_data, input_path, in_place, source, report_path)
+    # weights that go to ``<output>.data``: asked for, or too many to stay inline (walks every tensor: once)
+    spill = external_data == "single" or _inline_bytes(model) > _INLINE_LIMIT
+    _check_overwrites(model, target, folder, external_data, spill, input_path, in_place, source, report_path)
     try:
         with Staging() as staging:
             tmp = staging.area(folder)
-            _write(model, tmp / target.name, external_data, folder, source)
+            _write(model, tmp / target.name, external_data, spill, folder, source)
             if report is not None:
                 (staging.area(report_path.parent) / report_path.name).write_text(report[1])
             staging.commit(last=target)
@@ -485,7 +488,7 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
 _INLINE_LIMIT = onnx.checker.MAXIMUM_PROTOBUF * 0.9
 
 
-def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data: str | None,
+def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data: str | None, spill: bool,
                       input_path: Path | None, in_place: bool, source: SourceWeights | None,
                       report: Path | None) -> None:
     """Before anything is written: no path the run writes is a file it reads (see ``trust.check_no_overwrite``)."""
@@ -495,7 +498,7 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
     read_paths += [file for file, _ in _referenced_files(model)]
     reads = {ident: p for p in read_paths if (ident := trust.identity(p)) is not None}
     writes = [target]
-    if external_data == "single" or _inline_bytes(model) > _INLINE_LIMIT:
+    if spill:
         writes.append(folder / (target.name + ".data"))
     elif external_data == "keep":
         writes += [trust.confined(folder, location) for file, location in _referenced_files(model)
@@ -507,17 +510,13 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
     trust.check_no_overwrite(reads, writes + ([report] if report is not None else []), allowed)
 
 
-def _write(model: ir.Model, tmp_model: Path, external_data: str | None, folder: Path,
+def _write(model: ir.Model, tmp_model: Path, external_data: str | None, spill: bool, folder: Path,
            source: SourceWeights | None) -> None:
     for tensor in _main_graph_tensors(model):
         if isinstance(tensor, InlineWeight):
             tensor.check_source()
-    data_name = tmp_model.name + ".data"
-    if external_data == "single":
-        ir.save(model, tmp_model, external_data=data_name)
-        return
-    if _inline_bytes(model) > _INLINE_LIMIT:
-        ir.save(model, tmp_model, external_data=data_name)
+    if spill:
+        ir.save(model, tmp_model, external_data=tmp_model.name + ".data")
         return
     _write_streamed(model, tmp_model, source)
     if external_data == "keep":

@@ -38,21 +38,23 @@ class Match:
     nodes: tuple[ir.Node, ...] = ()
     #: numbers the normal form found (exponents, coefficients), for the rule's checks
     facts: Mapping[str, object] = field(default_factory=dict)
+    #: what the pass already worked out about the (unchanging) graph; not a binding
+    cache: algebra.Cache | None = field(default=None, compare=False, repr=False)
 
     def bind(self, name: str, value: ir.Value) -> "Match":
-        return Match({**self.values, name: value}, self.named_nodes, self.nodes, self.facts)
+        return Match({**self.values, name: value}, self.named_nodes, self.nodes, self.facts, self.cache)
 
     def add_node(self, node: ir.Node, name: str | None) -> "Match":
         named = {**self.named_nodes, name: node} if name and name not in self.named_nodes else self.named_nodes
         nodes = self.nodes if node in self.nodes else self.nodes + (node,)
-        return Match(self.values, named, nodes, self.facts)
+        return Match(self.values, named, nodes, self.facts, self.cache)
 
     def add_nodes(self, nodes: Sequence[ir.Node]) -> "Match":
         new = tuple(n for n in nodes if n not in self.nodes)
-        return Match(self.values, self.named_nodes, self.nodes + new, self.facts) if new else self
+        return Match(self.values, self.named_nodes, self.nodes + new, self.facts, self.cache) if new else self
 
     def with_fact(self, name: str, value: object) -> "Match":
-        return Match(self.values, self.named_nodes, self.nodes, {**self.facts, name: value})
+        return Match(self.values, self.named_nodes, self.nodes, {**self.facts, name: value}, self.cache)
 
     def fact(self, name: str, default: object = None) -> object:
         return self.facts.get(name, default)
@@ -200,7 +202,7 @@ class Terms(Pattern):
     def _match(self, value, m):
         if value is None:
             return
-        found = algebra.expand(value)
+        found = algebra.expand(value, m.cache)
         with_nodes = m.add_nodes(found.nodes)
         for form in self.forms:
             if len(found.terms) != len(form):
@@ -242,7 +244,7 @@ def _assign_factors(pattern: list, factors: list, m: Match, coef: float) -> Iter
         return
     (leaf, exponent), rest = pattern[0], pattern[1:]
     for i, factor in enumerate(factors):
-        for value, power, nodes, c in _views(factor.value, factor.exponent):
+        for value, power, nodes, c in _views(factor.value, factor.exponent, m.cache):
             if isinstance(exponent, Fraction):
                 if power != exponent:
                     continue
@@ -258,7 +260,8 @@ def _assign_factors(pattern: list, factors: list, m: Match, coef: float) -> Iter
                     yield from _assign_factors(rest, factors[:i] + factors[i + 1:], twinned, coef * c)
 
 
-def _views(value: ir.Value, exponent: Fraction) -> Iterator[tuple[ir.Value, Fraction, tuple, float]]:
+def _views(value: ir.Value, exponent: Fraction,
+           cache: algebra.Cache | None) -> Iterator[tuple[ir.Value, Fraction, tuple, float]]:
     """``value ** exponent``, then the same seen through the scalings and powers that compute value
     (``Sqrt(v)**-1`` is ``v**-0.5``, ``(ReduceSum(x) / N)**2`` is ``N**-2 * ReduceSum(x)**2``) where the chain was
     not expanded because an intermediate is read elsewhere. Yields (base, exponent, nodes, coefficient)."""
@@ -266,7 +269,7 @@ def _views(value: ir.Value, exponent: Fraction) -> Iterator[tuple[ir.Value, Frac
     coef = 1.0
     while True:
         yield value, exponent, nodes, coef
-        view = algebra.power_view(value)
+        view = algebra.power_view(value, cache.static if cache is not None else None)
         if view is None or not algebra.power_ok(view[1], exponent):
             return
         base, p, c, node = view

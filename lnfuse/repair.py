@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-import networkx as nx
 import onnx
 
 from lnfuse.errors import InputError
@@ -110,6 +109,8 @@ def _sort_nodes(nodes, available: set[str], where: str) -> None:
     had wherever it is already valid. A cycle is refused with the nodes on it."""
     if _in_order(nodes, set(available)):
         return
+    import networkx as nx  # here: only an unsorted graph needs it, and importing it costs 0.1 s at every start
+
     producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
     order = nx.DiGraph()
     order.add_nodes_from(range(len(nodes)))
