@@ -29,6 +29,10 @@ from lnfuse.verify import verify
 
 #: match attempts per root node; commuted operands make a few, a pathological graph must not make thousands
 _MAX_ATTEMPTS = 64
+#: how many producer steps a match may span from its root to the anchor it covers; a root farther from every anchor
+#: cannot match, so it is not tried (the normal form reads through at most 48 chain nodes, the patterns around it a
+#: few more: this bound leaves a wide margin)
+_REACH = 160
 
 
 @dataclass
@@ -145,8 +149,12 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
     consumed: set[ir.Node] = set()
     roots = [p.root_ops() for p in rule.patterns]
     roots = None if None in roots else frozenset().union(*roots)
+    # every match covers an anchor among the root's producers: on a long graph with few norms, most roots are far
+    # from any, and trying them would make matching cost the graph's size times the normal form's reach
+    near = _near(nodes, rule.anchors)
     for node in reversed(nodes):
-        if node in consumed or not node.outputs or (roots is not None and node.op_type not in roots):
+        if node in consumed or not node.outputs or (roots is not None and node.op_type not in roots) \
+                or node not in near:
             continue
         candidate = _first_valid(rule, ctx, node.outputs[0], consumed, found, position, cache)
         if candidate is not None:
@@ -155,7 +163,7 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
     for pattern, check, reason in rule.near_misses:
         near_roots = pattern.root_ops()
         for node in nodes:
-            if near_roots is not None and node.op_type not in near_roots:
+            if near_roots is not None and node.op_type not in near_roots or node not in near:
                 continue  # the pattern cannot match here: skip making a matcher per node
             for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match(cache=cache))):
                 for anchor in rule.anchor_nodes(m):
@@ -165,6 +173,23 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
         for anchor in candidate.anchors:
             found.refused.pop(anchor, None)
     return found
+
+
+def _near(nodes: list[ir.Node], anchors: frozenset[str]) -> set[ir.Node]:
+    """The nodes within ``_REACH`` producer steps of an anchor, in one pass over the graph in order. A producer not
+    seen before (in an enclosing scope, or later in an unsorted graph) counts as an anchor: this only prunes."""
+    steps: dict[ir.Node, int] = {}
+    for node in nodes:
+        if node.op_type in anchors:
+            steps[node] = 0
+            continue
+        nearest = _REACH + 1
+        for value in node.inputs:
+            producer = value.producer() if value is not None else None
+            if producer is not None:
+                nearest = min(nearest, steps.get(producer, 0) + 1)
+        steps[node] = nearest
+    return {node for node, n in steps.items() if n <= _REACH}
 
 
 class _Reads(Mapping):
