@@ -220,7 +220,7 @@ def table(rows: list[dict]) -> str:
         ops = ", ".join(f"{k.replace('Normalization', '')} {v}" for k, v in r["norm_ops"].items()) or "-"
         norm_left = r["means_left"] or any(u.startswith(("layer_norm/", "rms_norm/")) for u in r["unfused"])
         mark = "" if r["fused"] == r["norms"] else " **extra**" if r["fused"] > r["norms"] else \
-            " **miss**" if norm_left else f" ({r['norms'] - r['fused']} not in the export: dead code)"
+            " **miss**" if norm_left else f" ({r['norms'] - r['fused']} shared or dead in the export)"
         why = "; ".join(r["unfused"])[:300]
         check = r.get("model_check") or {}
         if check and not check.get("ok", True):
