@@ -1,7 +1,7 @@
 """Spellings found by the exporter sweep (tests/sweep/run_sweep.py): each fuses exactly, and its near-misses stay.
 
-The graphs are written with onnx.helper in the form the exporter wrote them (the sweep's table in
-docs/spellings.md says which exporter, model and opset).
+The graphs are written with onnx.helper in the form the exporter wrote them, and three real exports are read from
+sample_models/sweep/ (docs/sweep.md says which exporter, model and opset showed each form).
 """
 
 from __future__ import annotations
