@@ -51,8 +51,8 @@ SAMPLES = [("user_ln_var_unbiased_false", "dynamo", 18), ("user_ln_var_mean", "d
 
 def is_norm_module(module: nn.Module) -> bool:
     name = type(module).__name__
-    if isinstance(module, (nn.GroupNorm, nn.modules.batchnorm._NormBase)):
-        return False
+    if isinstance(module, (nn.GroupNorm, nn.modules.batchnorm._NormBase)) or next(module.children(), None) is not None:
+        return False  # not a norm, or a container named like one (Wav2Vec2EncoderStableLayerNorm)
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or name.endswith(("LayerNorm", "RMSNorm", "RMSNormGated"))
 
 
@@ -159,12 +159,13 @@ def run_one(name: str, dtype: str, exporter: str, opset: int, save: Path | None,
     try:
         case = build(name, dtype)
         row["norms"] = case.norms
-        proto = onnx.load(str(saved)) if reuse and saved.exists() else export(case, exporter, opset)
+        loaded = reuse and saved is not None and saved.exists()
+        proto = onnx.load(str(saved)) if loaded else export(case, exporter, opset)
     except Exception as error:  # noqa: BLE001
         row["export_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
         row["seconds"] = round(time.perf_counter() - start, 1)
         return row
-    if saved is not None and not reuse:
+    if saved is not None and not loaded:
         onnx.save_model(proto, str(saved))
     row.update(fuse_row(proto, case, dtype))
     row["seconds"] = round(time.perf_counter() - start, 1)
