@@ -198,6 +198,7 @@ def fuse_row(proto: onnx.ModelProto, case: models.Case, dtype: str) -> dict:
     row["norm_ops"] = {op: after.count(op) for op in NORM_OPS if after.count(op)}
     row["fused"] = sum(row["norm_ops"].values())
     row["means_left"] = sum(after.count(op) for op in MEANS)
+    row["sums_left"] = after.count("ReduceSum")  # a mean written ReduceSum / N
     row["other_norm_ops"] = {op: after.count(op) for op in OTHER_NORMS if after.count(op)}
     row["unfused"] = sorted({f"{u.rule}/{u.check}: {u.reason[:160]}" for u in result.report.unfused})
     row["notes"] = [n[:200] for n in result.report.notes][:5]
@@ -206,6 +207,7 @@ def fuse_row(proto: onnx.ModelProto, case: models.Case, dtype: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    rows = [json.loads(re.sub(r"\\u001b\[\d+m", "", json.dumps(r))) for r in rows]  # torch's colours
     lines = ["| model | exporter | dtype | norms | fused (norm ops after) | means left | left / why |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -219,7 +221,7 @@ def table(rows: list[dict]) -> str:
                          f"{r['fuse_error'][:120]} |")
             continue
         ops = ", ".join(f"{k.replace('Normalization', '')} {v}" for k, v in r["norm_ops"].items()) or "-"
-        norm_left = r["means_left"] or any(u.startswith(("layer_norm/", "rms_norm/")) for u in r["unfused"])
+        norm_left = r["means_left"] or r.get("sums_left") or any(u.startswith(("layer_norm/", "rms_norm/")) for u in r["unfused"])
         mark = "" if r["fused"] == r["norms"] else " **extra**" if r["fused"] > r["norms"] else \
             " **miss**" if norm_left else f" ({r['norms'] - r['fused']} shared or dead in the export)"
         why = "; ".join(r["unfused"])[:300]
