@@ -221,7 +221,8 @@ def table(rows: list[dict]) -> str:
                          f"{r['fuse_error'][:120]} |")
             continue
         ops = ", ".join(f"{k.replace('Normalization', '')} {v}" for k, v in r["norm_ops"].items()) or "-"
-        norm_left = r["means_left"] or r.get("sums_left") or any(u.startswith(("layer_norm/", "rms_norm/")) for u in r["unfused"])
+        norm_left = r["means_left"] or r.get("sums_left") or \
+            any(u.startswith(("layer_norm/", "rms_norm/")) for u in r["unfused"])
         mark = "" if r["fused"] == r["norms"] else " **extra**" if r["fused"] > r["norms"] else \
             " **miss**" if norm_left else f" ({r['norms'] - r['fused']} shared or dead in the export)"
         why = "; ".join(r["unfused"])[:300]
