@@ -60,11 +60,36 @@ def _is_static(value: ir.Value, depth: int, memo: dict | None) -> bool:
         return dims is not None and all(isinstance(d, int) for d in dims)
     if node.op_type not in _FOLDABLE:
         return False
+    if _known_dims_of_shape(node, depth) is not None:
+        return True
     if node.op_type == "CastLike":
         # reads only the dtype of its second input
         like = node.inputs[1]
         return like is not None and like.type is not None and is_static(node.inputs[0], depth + 1, memo)
     return all(v is None or is_static(v, depth + 1, memo) for v in node.inputs)
+
+
+def _known_dims_of_shape(node: ir.Node, depth: int = 0) -> np.ndarray | None:
+    """``Gather(Shape(x), i)`` where the dims it picks are known: ``x.shape[-1]`` traced by the TorchScript exporter
+    with a dynamic batch (a mean written ``x.sum(-1) / x.shape[-1]``) is a constant though Shape(x) is not."""
+    if node.op_type != "Gather" or _attr(node, "axis", 0) != 0 or len(node.inputs) != 2 or None in node.inputs:
+        return None
+    shape_node = node.inputs[0].producer()
+    if shape_node is None or shape_node.op_type != "Shape" or not _is_onnx(shape_node) or \
+            not is_static(node.inputs[1], depth + 1):
+        return None
+    dims = _read_dims(shape_node)
+    try:
+        indices = np.asarray(_evaluate(node.inputs[1]))
+    except (ValueError, TypeError, IndexError, KeyError):
+        return None
+    if dims is None or indices.dtype.kind not in "iu" or \
+            not all(-len(dims) <= int(i) < len(dims) for i in indices.ravel()):
+        return None
+    picked = [dims[int(i)] for i in indices.ravel()]
+    if not all(isinstance(d, int) for d in picked):
+        return None
+    return np.array(picked, dtype=np.int64).reshape(indices.shape)
 
 
 def _read_dims(node: ir.Node) -> list | None:
@@ -109,6 +134,9 @@ def _evaluate(value: ir.Value) -> np.ndarray:
         return _evaluate(node.inputs[0]).astype(node.inputs[1].dtype.numpy())
     if op == "Size":
         return np.array(int(np.prod([int(d) for d in node.inputs[0].shape])), dtype=np.int64)
+    known = _known_dims_of_shape(node)
+    if known is not None:
+        return known
     args = [None if v is None else _evaluate(v) for v in node.inputs]
     return _FOLD[op](node, args)
 

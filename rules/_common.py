@@ -147,7 +147,8 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
         raise Refusal("keepdims", f"ReduceMean '{node.name}' drops the reduced axes (keepdims=0)")
     if unsqueeze is not None:
         if keepdims:
-            raise Refusal("keepdims", f"{unsqueeze.op_type} '{unsqueeze.name}' adds axes to a ReduceMean that kept them")
+            raise Refusal("keepdims", f"{unsqueeze.op_type} '{unsqueeze.name}' adds axes to a ReduceMean that kept "
+                          "them")
         if unsqueeze.op_type == "Reshape":
             _check_same_shape(unsqueeze.outputs[0], _kept_shape(x, axes), f"Reshape '{unsqueeze.name}'", node)
         else:

@@ -1,7 +1,7 @@
 """Spellings found by the exporter sweep (tests/sweep/run_sweep.py): each fuses exactly, and its near-misses stay.
 
-The graphs are written with onnx.helper in the form the exporter wrote them (the sweep's table in
-docs/spellings.md says which exporter, model and opset).
+The graphs are written with onnx.helper in the form the exporter wrote them, and three real exports are read from
+sample_models/sweep/ (docs/sweep.md says which exporter, model and opset showed each form).
 """
 
 from __future__ import annotations
@@ -150,3 +150,26 @@ def test_rms_unsqueezed_after_near_misses(case, check):
     assert "SimplifiedLayerNormalization" not in op_types(result.model)
     checks = {u.check for u in result.report.unfused} | {o.check for u in result.report.unfused for o in u.others}
     assert check in checks, result.report.unfused
+
+
+# ---- a mean divided by x.shape[-1] ------------------------------------------------------------------------------
+# The TorchScript exporter traces x.sum(-1) / x.shape[-1] with a dynamic batch as ReduceSum / Cast(Gather(Shape(x),
+# 2)): Shape(x) is not a constant, but the dim it picks is.
+
+def _sum_over_traced_count(index: int) -> onnx.ModelProto:
+    g = Graph(shape=("batch", 3, H))
+    n = g.op("Cast", g.op("Gather", g.op("Shape", "X"), g.ints(index)), to=onnx.TensorProto.FLOAT)
+    d = g.op("Sub", "X", g.op("Div", g.op("ReduceSum", "X", g.ints([-1])), n))
+    var = g.op("Div", g.op("ReduceSum", g.op("Mul", d, d), g.ints([-1])), n)
+    y = g.op("Mul", d, g.op("Reciprocal", g.op("Sqrt", g.op("Add", var, g.const(EPS)))))
+    return g.model(g.op("Add", g.op("Mul", y, g.const(GAMMA)), g.const(BETA)))
+
+
+def test_mean_over_a_traced_known_dim_fuses():
+    _fused_one(_sum_over_traced_count(2), epsilon=EPS, axis=-1)
+
+
+def test_mean_over_a_traced_unknown_dim_is_left():
+    """Divided by the batch size (a symbolic dim): not a constant, so not the mean over the last axis."""
+    result = lnfuse.fuse(_sum_over_traced_count(0))
+    assert "LayerNormalization" not in op_types(result.model)

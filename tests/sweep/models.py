@@ -27,7 +27,6 @@ class Case:
     inputs: tuple[torch.Tensor, ...]
     names: tuple[str, ...]
     norms: int | None = None  # None: count norm-module calls
-    dynamic: bool = True  # batch (and sequence for text) dims dynamic
 
 
 class FirstOutput(nn.Module):
@@ -82,7 +81,8 @@ def text(name: str, config: dict, model_class: str | None = None, seq2seq: bool 
     def build() -> Case:
         model = _hf(name, config, model_class)
         extra = {"decoder_input_ids": "input_ids"} if seq2seq else None
-        return Case(FirstOutput(model, ("input_ids", "attention_mask"), extra), _text(), ("input_ids", "attention_mask"))
+        names = ("input_ids", "attention_mask")
+        return Case(FirstOutput(model, names, extra), _text(), names)
 
     return build
 
@@ -90,7 +90,8 @@ def text(name: str, config: dict, model_class: str | None = None, seq2seq: bool 
 def vision(name: str, config: dict, size: int = 32, model_class: str | None = None) -> Callable[[], Case]:
     def build() -> Case:
         model = _hf(name, config, model_class)
-        pixels = torch.randn(BATCH, config.get("num_channels", 3), size, size, generator=torch.Generator().manual_seed(1))
+        seeded = torch.Generator().manual_seed(1)
+        pixels = torch.randn(BATCH, config.get("num_channels", 3), size, size, generator=seeded)
         return Case(FirstOutput(model, ("pixel_values",)), (pixels,), ("pixel_values",))
 
     return build
@@ -341,7 +342,8 @@ class OtherNorms(nn.Module):
         return self.gn(x) + self.gn1(x) + self.inorm(x) + self.bn(x)
 
 
-def handwritten(module_class: type[nn.Module], norms: int, shape: tuple[int, ...] = (BATCH, SEQ, H)) -> Callable[[], Case]:
+def handwritten(module_class: type[nn.Module], norms: int,
+                shape: tuple[int, ...] = (BATCH, SEQ, H)) -> Callable[[], Case]:
     def build() -> Case:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
         return Case(module_class(), (x,), ("x",), norms=norms)

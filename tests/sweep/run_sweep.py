@@ -51,8 +51,8 @@ SAMPLES = [("user_ln_var_unbiased_false", "dynamo", 18), ("user_ln_var_mean", "d
 
 def is_norm_module(module: nn.Module) -> bool:
     name = type(module).__name__
-    if isinstance(module, (nn.GroupNorm, nn.modules.batchnorm._NormBase)):
-        return False
+    if isinstance(module, (nn.GroupNorm, nn.modules.batchnorm._NormBase)) or next(module.children(), None) is not None:
+        return False  # not a norm, or a container named like one (Wav2Vec2EncoderStableLayerNorm)
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or name.endswith(("LayerNorm", "RMSNorm", "RMSNormGated"))
 
 
@@ -159,12 +159,13 @@ def run_one(name: str, dtype: str, exporter: str, opset: int, save: Path | None,
     try:
         case = build(name, dtype)
         row["norms"] = case.norms
-        proto = onnx.load(str(saved)) if reuse and saved.exists() else export(case, exporter, opset)
+        loaded = reuse and saved is not None and saved.exists()
+        proto = onnx.load(str(saved)) if loaded else export(case, exporter, opset)
     except Exception as error:  # noqa: BLE001
         row["export_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
         row["seconds"] = round(time.perf_counter() - start, 1)
         return row
-    if saved is not None and not reuse:
+    if saved is not None and not loaded:
         onnx.save_model(proto, str(saved))
     row.update(fuse_row(proto, case, dtype))
     row["seconds"] = round(time.perf_counter() - start, 1)
@@ -197,6 +198,7 @@ def fuse_row(proto: onnx.ModelProto, case: models.Case, dtype: str) -> dict:
     row["norm_ops"] = {op: after.count(op) for op in NORM_OPS if after.count(op)}
     row["fused"] = sum(row["norm_ops"].values())
     row["means_left"] = sum(after.count(op) for op in MEANS)
+    row["sums_left"] = after.count("ReduceSum")  # a mean written ReduceSum / N
     row["other_norm_ops"] = {op: after.count(op) for op in OTHER_NORMS if after.count(op)}
     row["unfused"] = sorted({f"{u.rule}/{u.check}: {u.reason[:160]}" for u in result.report.unfused})
     row["notes"] = [n[:200] for n in result.report.notes][:5]
@@ -205,6 +207,7 @@ def fuse_row(proto: onnx.ModelProto, case: models.Case, dtype: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    rows = [json.loads(re.sub(r"\\u001b\[\d+m", "", json.dumps(r))) for r in rows]  # torch's colours
     lines = ["| model | exporter | dtype | norms | fused (norm ops after) | means left | left / why |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -218,9 +221,10 @@ def table(rows: list[dict]) -> str:
                          f"{r['fuse_error'][:120]} |")
             continue
         ops = ", ".join(f"{k.replace('Normalization', '')} {v}" for k, v in r["norm_ops"].items()) or "-"
-        norm_left = r["means_left"] or any(u.startswith(("layer_norm/", "rms_norm/")) for u in r["unfused"])
+        norm_left = r["means_left"] or r.get("sums_left") or \
+            any(u.startswith(("layer_norm/", "rms_norm/")) for u in r["unfused"])
         mark = "" if r["fused"] == r["norms"] else " **extra**" if r["fused"] > r["norms"] else \
-            " **miss**" if norm_left else f" ({r['norms'] - r['fused']} not in the export: dead code)"
+            " **miss**" if norm_left else f" ({r['norms'] - r['fused']} shared or dead in the export)"
         why = "; ".join(r["unfused"])[:300]
         check = r.get("model_check") or {}
         if check and not check.get("ok", True):
