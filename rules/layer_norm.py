@@ -191,10 +191,11 @@ def check_centred_rms(m: Match, k: int, channel: int | None) -> float:
     rms = m.node("rms")
     rank = rank_of(rms.inputs[0])
     axis = attr_value(rms, "axis", -1)
-    if channel is not None or rank is None or axis % rank != rank - k:
+    if channel is not None:
+        raise Refusal("axes", "the mean reduces one channel axis")
+    if rank is None or axis % rank != rank - k:
         raise Refusal("axes", f"{rms.op_type} '{node_name(rms)}' normalizes from axis {axis}, and the mean it "
-                      f"centres by reduces the last {k} of {rank} axes" if channel is None else "the mean reduces "
-                      "one channel axis")
+                      f"centres by reduces the last {k} of {rank} axes")
     dtype = dtype_of(rms.inputs[0])
     stash = attr_value(rms, "stash_type", 1)
     if dtype is None or stash != stash_type(dtype).value:
