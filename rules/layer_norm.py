@@ -204,8 +204,9 @@ def check_centred_rms(m: Match, k: int, channel: int | None) -> float:
     if any(out.uses() or out.is_graph_output() for out in rms.outputs[1:]):
         raise Refusal("intermediate", f"the inverse RMS of {rms.op_type} '{node_name(rms)}' is read elsewhere")
     scale = float(m.fact("d_x", 1.0))
-    if abs(scale - 1) > 1e-6:
-        # RMS(c * d) = d / sqrt(mean(d²) + eps / c²): the factor moves into epsilon, not into gamma
+    if abs(abs(scale) - 1) > 1e-6:
+        # RMS(c * d) = sign(c) * d / sqrt(mean(d²) + eps / c²): the factor moves into epsilon, not into gamma (a
+        # sign alone, mean - x, is the operand swap ``build`` refuses)
         raise Refusal("epsilon", f"{rms.op_type} '{node_name(rms)}' normalizes (x - mean) * {scale:g}: its epsilon "
                       f"acts as epsilon / {scale * scale:g} on x - mean")
     eps = float(attr_value(rms, "epsilon", 1e-5))
