@@ -270,6 +270,8 @@ def absorb_type_reads(region: list[ir.Node]) -> list[ir.Node]:
     return region
 
 
+#: the most nodes a shape computation between a region value's Shape and the region may have (dynamo's target of
+#: the Reshape that restores var's axes takes three); a longer one is not a type read and stays
 _SHAPE_CHAIN = 16
 
 
