@@ -69,12 +69,14 @@ def _check_same_shape(value: ir.Value, want, what: str, node: ir.Node) -> None:
     got = None if value.shape is None else list(value.shape)
     want = None if want is None else list(want)
     if got is None or want is None or len(got) != len(want) or \
-            any(not _same_dim(a, b) for a, b in zip(got, want)):
+            any(not same_dim(a, b) for a, b in zip(got, want)):
         raise Refusal("keepdims", f"{what} after ReduceMean '{node.name}' gives shape {got}, where restoring the "
                       f"reduced axes needs {want}")
 
 
-def _same_dim(a, b) -> bool:
+def same_dim(a, b) -> bool:
+    """Two dims known to be equal: the same size, or one named symbolic dim (an unnamed unknown dim equals
+    nothing)."""
     if isinstance(a, int) or isinstance(b, int):
         return a == b
     return a is not None and b is not None and a.value is not None and a.value == b.value
@@ -319,7 +321,7 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
             target.append(want)
         elif have != 1 and isinstance(have, int):
             target.append(have)
-        elif _same_symbol(have, want):
+        elif same_dim(have, want):
             target.append(want)  # a run-time operand of the input's own (named) normalized dims: [N] for [M, N]
         else:
             raise Refusal(what, f"the normalized dims of the input {_fmt(x_tail)} are not known, so {what} "
@@ -347,17 +349,14 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
         raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)} at run time; the fused op needs {target}")
     if dims == target:
         return source
+    if not all(isinstance(d, int) for d in target):
+        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)} at run time: a Reshape to the normalized "
+                      f"dims {_fmt(target)} needs their sizes, which are known only at run time")
     reshape = ctx.node("Reshape", [source, ctx.constant(np.array(target, dtype=np.int64), f"{what}_shape")],
                        hint=what)
     reshape.outputs[0].type = ir.TensorType(dtype)
     reshape.outputs[0].shape = ir.Shape(target)
     return reshape.outputs[0]
-
-
-def _same_symbol(a, b) -> bool:
-    """Two dims that are one named symbolic dim (an unnamed unknown dim equals nothing)."""
-    return isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim) and a.value is not None and \
-        a.value == b.value
 
 
 #: the most elements a constant the fused op needs in full (a broadcast gamma, a unit scale) may have: a norm that

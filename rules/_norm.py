@@ -19,7 +19,7 @@ from lnfuse.constants import is_static, static_value
 from lnfuse.pattern import Either, Match, Mono, Op, Pattern, Terms, Var, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement
 from ._common import (FLOATS, cast_target, channel_param, check_laid_out, dtype_of, is_widening, node_name,
-                      param_as, read_outside, readers_outside)
+                      param_as, rank_of, read_outside, readers_outside)
 
 
 # ---- the math, as monomials ----------------------------------------------------------------------------------
@@ -71,6 +71,13 @@ def check_inverse(m: Match) -> None:
         if eps is None or eps.shape is None or reduced.shape is None or len(eps.shape) > len(reduced.shape):
             raise Refusal("shape", f"epsilon '{eps.name if eps else '?'}' may raise the rank of the variance "
                           "computed without its reduced axes")
+        # nor anything else: a second Unsqueeze of the variance itself is taken by the matcher for a twin of the
+        # restoring one (same op, same axes), and would restore the axes twice
+        inner = m.node("var_unsqueeze").inputs[0]
+        if rank_of(inner) != rank_of(reduced):
+            raise Refusal("shape", f"the Unsqueeze after 1/sqrt(var + eps) reads '{inner.name}' of rank "
+                          f"{rank_of(inner)}, not the variance computed without its reduced axes (rank "
+                          f"{rank_of(reduced)})")
     if e is not None and e != Fraction(-1, 2):
         raise Refusal("exponent", f"var + eps is raised to {float(e):g}, where 1/sqrt(var + eps) needs -0.5")
 
@@ -243,7 +250,7 @@ def absorb_type_reads(region: list[ir.Node]) -> list[ir.Node]:
     added = True
     while added:
         added = False
-        for node in list(inside):
+        for node in list(region):  # in order, not the set's: the report lists the nodes as found
             for out in node.outputs:
                 for reader, _ in out.uses():
                     if reader in inside or not reader.outputs:
@@ -263,6 +270,8 @@ def absorb_type_reads(region: list[ir.Node]) -> list[ir.Node]:
     return region
 
 
+#: the most nodes a shape computation between a region value's Shape and the region may have (dynamo's target of
+#: the Reshape that restores var's axes takes three); a longer one is not a type read and stays
 _SHAPE_CHAIN = 16
 
 

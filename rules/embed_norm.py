@@ -21,7 +21,7 @@ import onnx_ir as ir
 from lnfuse.constants import is_static, static_value
 from lnfuse.pattern import Either, Match, Op, Var, attr_value
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
-from ._common import dtype_of, node_name, read_outside
+from ._common import dtype_of, node_name, read_outside, same_dim
 
 _INDEX_TYPES = (ir.DataType.INT32, ir.DataType.INT64)
 _KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
@@ -219,12 +219,6 @@ def _new_nodes(fused: ir.Node) -> list[ir.Node]:
     return made + [fused]
 
 
-def _same_dim(a, b) -> bool:
-    if isinstance(a, int) or isinstance(b, int):
-        return a == b
-    return a is not None and b is not None and a.value is not None and a.value == b.value
-
-
 def _classify(m: Match, i: int, ctx: GraphContext, total: ir.Value) -> _Lookup:
     gather = m.node(f"gather{i}")
     table, ids = m.value(f"table{i}"), m.value(f"ids{i}")
@@ -244,13 +238,13 @@ def _classify(m: Match, i: int, ctx: GraphContext, total: ir.Value) -> _Lookup:
     s = total.shape
     dims = list(ids.shape)
     kind = ""
-    if len(dims) == 2 and _same_dim(dims[0], s[0]) and _same_dim(dims[1], s[1]):
+    if len(dims) == 2 and same_dim(dims[0], s[0]) and same_dim(dims[1], s[1]):
         kind = "full"
-    elif len(dims) == 2 and dims[0] == 1 and _same_dim(dims[1], s[1]):
+    elif len(dims) == 2 and dims[0] == 1 and same_dim(dims[1], s[1]):
         kind = "row"
     if kind and _is_arange(ids):
         kind = "arange"
-    elif len(dims) == 1 and _same_dim(dims[0], s[1]) and _is_arange(ids):
+    elif len(dims) == 1 and same_dim(dims[0], s[1]) and _is_arange(ids):
         kind = "arange"
     elif len(dims) == 2 and dims[0] == 1 and _is_arange(ids) and _sliced_to(ids, s[1]):
         # buffer[:, :S] with S read from another input's shape (transformers' dynamo exports): its length is
@@ -326,7 +320,7 @@ def _is_dim_of(value: ir.Value, dim, depth: int = 0) -> bool:
 
 def _axis_is(value: ir.Value, axis: int, dim) -> bool:
     shape = value.shape
-    return shape is not None and -len(shape) <= axis < len(shape) and _same_dim(shape[axis], dim)
+    return shape is not None and -len(shape) <= axis < len(shape) and same_dim(shape[axis], dim)
 
 
 def _is_arange(ids: ir.Value, depth: int = 0) -> bool:
@@ -343,7 +337,7 @@ def _is_arange(ids: ir.Value, depth: int = 0) -> bool:
         # axis itself is broadcast (a constant 0 expanded to [B, S] is not 0..S-1)
         source = node.inputs[0]
         if node.op_type == "Expand" and (source.shape is None or ids.shape is None or len(source.shape) == 0
-                                         or not _same_dim(source.shape[-1], ids.shape[-1])):
+                                         or not same_dim(source.shape[-1], ids.shape[-1])):
             return False
         axes = attr_value(node, "axes")
         if node.op_type == "Unsqueeze" and axes is None and len(node.inputs) > 1:

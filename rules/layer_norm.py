@@ -191,10 +191,11 @@ def check_centred_rms(m: Match, k: int, channel: int | None) -> float:
     rms = m.node("rms")
     rank = rank_of(rms.inputs[0])
     axis = attr_value(rms, "axis", -1)
-    if channel is not None or rank is None or axis % rank != rank - k:
+    if channel is not None:
+        raise Refusal("axes", "the mean reduces one channel axis")
+    if rank is None or axis % rank != rank - k:
         raise Refusal("axes", f"{rms.op_type} '{node_name(rms)}' normalizes from axis {axis}, and the mean it "
-                      f"centres by reduces the last {k} of {rank} axes" if channel is None else "the mean reduces "
-                      "one channel axis")
+                      f"centres by reduces the last {k} of {rank} axes")
     dtype = dtype_of(rms.inputs[0])
     stash = attr_value(rms, "stash_type", 1)
     if dtype is None or stash != stash_type(dtype).value:
@@ -203,8 +204,9 @@ def check_centred_rms(m: Match, k: int, channel: int | None) -> float:
     if any(out.uses() or out.is_graph_output() for out in rms.outputs[1:]):
         raise Refusal("intermediate", f"the inverse RMS of {rms.op_type} '{node_name(rms)}' is read elsewhere")
     scale = float(m.fact("d_x", 1.0))
-    if abs(scale - 1) > 1e-6:
-        # RMS(c * d) = d / sqrt(mean(d²) + eps / c²): the factor moves into epsilon, not into gamma
+    if abs(abs(scale) - 1) > 1e-6:
+        # RMS(c * d) = sign(c) * d / sqrt(mean(d²) + eps / c²): the factor moves into epsilon, not into gamma (a
+        # sign alone, mean - x, is the operand swap ``build`` refuses)
         raise Refusal("epsilon", f"{rms.op_type} '{node_name(rms)}' normalizes (x - mean) * {scale:g}: its epsilon "
                       f"acts as epsilon / {scale * scale:g} on x - mean")
     eps = float(attr_value(rms, "epsilon", 1e-5))

@@ -5,6 +5,7 @@ ORT computes what the original computes."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections import Counter
 from pathlib import Path
@@ -65,7 +66,8 @@ EXPECTED = {
     **{f"ort_skip_fusion_graph_output_cast_bias{i}": {SKIP: 1, LN: 0, "Add": 0, "Cast": 1} for i in (1, 2)},
 }
 
-#: where lnfuse refuses what the peer fuses (or what no one fuses), and the check that says why (docs/compare.md, "Peers' test cases")
+#: where lnfuse refuses what the peer fuses (or what no one fuses), and the check that says why (docs/compare.md,
+#: "Peers' test cases")
 REFUSED = {
     # a float64 norm's epsilon cannot be written in the fused ops' float32 epsilon attribute: the peer's fusion
     # changes 1e-5 to 9.99999974737875e-06 (up to 1.2e-8 relative on the output, 10^7 float64 ulps)
@@ -204,14 +206,18 @@ def test_output_declared_without_a_shape_is_read_as_ort_reads_it():
     _assert_same_outputs(model, result.model)
 
 
+def _script(folder: Path, name: str):
+    """A script that makes sample models, as a module (it lives beside its models, not in a package)."""
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
+
+
 @pytest.fixture(scope="module")
 def exporter_samples():
-    sys.path.insert(0, str(SAMPLES))
-    try:
-        import make_exporter_samples
-    finally:
-        sys.path.remove(str(SAMPLES))
-    return make_exporter_samples
+    return _script(SAMPLES, "make_exporter_samples")
 
 
 def test_onnxscript_bart_encoder(exporter_samples, tmp_path):
@@ -221,7 +227,6 @@ def test_onnxscript_bart_encoder(exporter_samples, tmp_path):
     counts = _counts(lnfuse.fuse(str(path)).model)
     assert counts["ReduceMean"] == 0
     assert (counts[EMBED], counts[SKIP], counts[LN]) == (1, 4, 0), counts
-
 
 
 def test_existing_skip_op_with_a_bias_over_lookups_stays():
@@ -241,11 +246,7 @@ def test_existing_skip_op_with_a_bias_over_lookups_stays():
 def test_run_time_scale_of_the_named_hidden_dim(scale_dim, fused):
     """A run-time scale declared [H] for an input [B, S, H] is of the normalized dims themselves (ORT's
     layer_norm_fp16 test model: X [M, N], Scale [N]); one of another named or an unnamed dim is not known to be."""
-    sys.path.insert(0, str(FOLDER))
-    try:
-        import make_peer_cases as mp
-    finally:
-        sys.path.remove(str(FOLDER))
+    mp = _script(FOLDER, "make_peer_cases")
     g = mp.Graph(0)
     x = g.input("x", mp.F32, ["B", "S", "H"])
     mean_square = g.op("ReduceMean", g.op("Mul", x, x), g.const([-1], np.int64), keepdims=1)

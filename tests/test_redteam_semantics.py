@@ -434,3 +434,34 @@ def test_an_rms_norm_of_a_scaled_centred_value_is_not_a_scaled_layer_norm(verify
     assert "LayerNormalization" not in op_types(result.model)
     if not verify:
         assert [u.check for u in result.report.unfused] == ["epsilon"], _reasons(result)
+
+
+@BOTH
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_variance_unsqueezed_before_and_after_the_inverse_root_is_not_an_rms_norm(target, verify, twice):
+    # x * Unsqueeze(1/sqrt(mean(x², keepdims=0) + eps)) is an RMS norm; with the mean also unsqueezed before the
+    # root, the two Unsqueezes (same op, same axes) were taken for one node met twice, and without verification
+    # lnfuse wrote a rank-3 RMS norm for a rank-4 result
+    mean = [_node("ReduceMean", ["sq", "ax"], "var", keepdims=0)]
+    if twice:
+        mean.append(_node("Unsqueeze", ["var", "ax"], "var_u"))
+    nodes = [_node("Mul", ["x", "x"], "sq"), *mean, _node("Add", [mean[-1].output[0], "eps"], "ve"),
+             _node("Sqrt", ["ve"], "std"), _node("Reciprocal", ["std"], "inv"), _node("Unsqueeze", ["inv", "ax"], "iu"),
+             _node("Mul", ["x", "iu"], "n"), _node("Mul", ["n", "g"], "y")]
+    inits = [_const("ax", [-1], np.int64), _const("eps", 1e-5), _const("g", np.linspace(0.5, 1.5, H))]
+    model = _model(nodes, inputs=[_io("x", [1, 4, H])], outputs=[_io("y", None)], inits=inits, opset=18)
+    result = _fused(model, target, verify, sizes=(1,))
+    fused = [t for t in op_types(result.model) if "Normalization" in t]
+    assert fused == ([] if twice else ["SimplifiedLayerNormalization"] if target == "ort" else []), fused
+
+
+@BOTH
+def test_a_run_time_gamma_of_the_inputs_named_dims_with_a_leading_one_is_refused(target, verify):
+    # gamma [1, N] for x [M, N]: the normalized dim is the same named dim, but a Reshape to [N] needs its size;
+    # lnfuse crashed building it
+    model = _model(_norm(), inputs=[_io("x", ["M", "N"]), _io("g", [1, "N"])], outputs=[_io("y", ["M", "N"])],
+                   inits=_params(g=None))
+    result = _fused(model, target, verify)
+    assert "LayerNormalization" not in op_types(result.model)
+    assert any("known only at run time" in reason for u in result.report.unfused
+               for reason in [u.reason] + [o.reason for o in u.others]), _reasons(result)

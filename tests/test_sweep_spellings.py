@@ -25,10 +25,12 @@ SAMPLES = Path(__file__).resolve().parent.parent / "sample_models" / "sweep"
 # mean-centred, then x * rsqrt(mean(d²) + eps)) as ReduceMean -> Sub -> RMSNormalization.
 
 def _centred_rms(op: str = "RMSNormalization", opset: int = 23, axis: int = -1, mean_axes=(-1,), beta: bool = False,
-                 centre_other: bool = False, read_inverse: bool = False, stash: int = 1) -> onnx.ModelProto:
+                 centre_other: bool = False, read_inverse: bool = False, stash: int = 1,
+                 swapped: bool = False) -> onnx.ModelProto:
     g = Graph(opset=opset)
     source = g.op("Neg", "X") if centre_other else "X"
-    d = g.op("Sub", "X", g.mean(source, mean_axes))
+    mean = g.mean(source, mean_axes)
+    d = g.op("Sub", mean, "X") if swapped else g.op("Sub", "X", mean)
     gamma = g.const(GAMMA if axis == -1 else np.ones([3, H], np.float32) * GAMMA)
     outputs = [f"rms_{len(g.nodes)}"] + ([f"inv_{len(g.nodes)}"] if read_inverse else [])
     g.nodes.append(oh.make_node(op, [d, gamma], outputs, name="rms", axis=axis, epsilon=EPS, stash_type=stash))
@@ -38,6 +40,11 @@ def _centred_rms(op: str = "RMSNormalization", opset: int = 23, axis: int = -1, 
     if beta:
         y = g.op("Add", y, g.const(BETA))
     return g.model(y) if op == "RMSNormalization" else _unchecked(g, y)
+
+
+def _checks(result: lnfuse.FuseResult) -> set[str]:
+    """The checks that refused, on the form reported and on the other forms tried."""
+    return {u.check for u in result.report.unfused} | {o.check for u in result.report.unfused for o in u.others}
 
 
 def _unchecked(g: Graph, y: str, extra_inputs=()) -> onnx.ModelProto:
@@ -63,6 +70,7 @@ def test_simplified_layer_norm_of_centred_is_layer_norm():
     (dict(axis=-2, mean_axes=(-1,)), "axes"),  # the RMS op normalizes two axes, the mean one
     (dict(centre_other=True), None),  # x - mean(-x): not centred
     (dict(stash=10), "dtype"),  # statistics in float16: not what LayerNormalization computes
+    (dict(swapped=True), "operands"),  # mean - x: the LayerNorm negated (epsilon was blamed)
 ])
 def test_rms_of_centred_near_misses(case, check):
     model = _centred_rms(**case)
@@ -119,8 +127,7 @@ def test_var_reshaped_by_a_runtime_shape_is_left():
     model = _unchecked(g, y, [oh.make_tensor_value_info("target", onnx.TensorProto.INT64, [3])])
     result = lnfuse.fuse(model)
     assert "LayerNormalization" not in op_types(result.model)
-    assert "keepdims" in {u.check for u in result.report.unfused} | \
-        {o.check for u in result.report.unfused for o in u.others}, result.report.unfused
+    assert "keepdims" in _checks(result), result.report.unfused
 
 
 # ---- the inverse RMS computed without the reduced axes, unsqueezed after ----------------------------------------
@@ -148,8 +155,7 @@ def test_rms_unsqueezed_after_near_misses(case, check):
     model = _rms_unsqueezed_late(**case)
     result = lnfuse.fuse(model)
     assert "SimplifiedLayerNormalization" not in op_types(result.model)
-    checks = {u.check for u in result.report.unfused} | {o.check for u in result.report.unfused for o in u.others}
-    assert check in checks, result.report.unfused
+    assert check in _checks(result), result.report.unfused
 
 
 # ---- a mean divided by x.shape[-1] ------------------------------------------------------------------------------

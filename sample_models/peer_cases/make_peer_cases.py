@@ -77,8 +77,9 @@ def _reduce_mean(g: Graph, x: str, opset: int, axes=(-1,)) -> str:
 # ============================================================ onnxscript rules/fusion/_layer_norm*_test.py
 
 def _onnxscript_ln(square: str, normalize: str, bias: bool, dtype=np.float32, elem=F32) -> onnx.ModelProto:
-    """mean, d = x - mean, d*d or d**2 (the literal 2 an int64 exponent), var, sqrt(var + eps), then d * Reciprocal(std) or d / std, * scale
-    (+ bias): [2, 4, 8] at opset 18, epsilon a Constant node of 1e-5; scale and bias are graph inputs."""
+    """mean, d = x - mean, d*d or d**2 (the literal 2 an int64 exponent), var, sqrt(var + eps), then
+    d * Reciprocal(std) or d / std, * scale (+ bias): [2, 4, 8] at opset 18, epsilon a Constant node of 1e-5; scale
+    and bias are graph inputs."""
     g = Graph()
     x = g.input("x", elem, [2, 4, 8])
     mean = _reduce_mean(g, x, 18)

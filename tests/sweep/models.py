@@ -128,12 +128,26 @@ W2V = dict(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS, i
 # --------------------------------------------------------------------------- hand-written norms (user styles)
 
 
-class RMSPowMeanRsqrt(nn.Module):
-    """LLaMA style: fp32 statistics, x * rsqrt(mean(x^2) + eps), cast back, times weight."""
+class _Weighted(nn.Module):
+    """A hand-written norm's weight, N(1, 0.2) over ``shape``."""
+
+    shape: tuple[int, ...] = (H,)
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
+        self.weight = nn.Parameter(torch.randn(*self.shape) * 0.2 + 1)
+
+
+class _Affine(_Weighted):
+    """A hand-written norm's weight and bias, N(0, 0.2), over ``shape``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(*self.shape) * 0.2)
+
+
+class RMSPowMeanRsqrt(_Weighted):
+    """LLaMA style: fp32 statistics, x * rsqrt(mean(x^2) + eps), cast back, times weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -142,34 +156,22 @@ class RMSPowMeanRsqrt(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class RMSSquareSqrtDiv(nn.Module):
+class RMSSquareSqrtDiv(_Weighted):
     """x / sqrt(mean(x*x) + eps) * w, no casts."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + 1e-5) * self.weight
 
 
-class RMSNoKeepdim(nn.Module):
+class RMSNoKeepdim(_Weighted):
     """keepdim=False, then unsqueeze: x * (mean(x^2) + eps).rsqrt()[..., None]."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * (x.square().mean(-1) + 1e-5).rsqrt().unsqueeze(-1) * self.weight
 
 
-class RMSPowMinusHalf(nn.Module):
+class RMSPowMinusHalf(_Weighted):
     """torch.pow(var + eps, -0.5) and the weight first."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * (x * torch.pow(torch.mean(x**2, dim=-1, keepdim=True) + 1e-5, -0.5))
@@ -188,13 +190,8 @@ class TorchRMSNorm(nn.Module):
         return self.norm(x)
 
 
-class LNVarUnbiasedFalse(nn.Module):
+class LNVarUnbiasedFalse(_Affine):
     """(x - mean) / sqrt(var(unbiased=False) + eps) * w + b."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
-        self.bias = nn.Parameter(torch.randn(H) * 0.2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mean = x.mean(-1, keepdim=True)
@@ -202,38 +199,24 @@ class LNVarUnbiasedFalse(nn.Module):
         return (x - mean) / torch.sqrt(var + 1e-5) * self.weight + self.bias
 
 
-class LNVarMean(nn.Module):
+class LNVarMean(_Affine):
     """torch.var_mean(correction=0) and x * rsqrt, bias first."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
-        self.bias = nn.Parameter(torch.randn(H) * 0.2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
         return self.bias + (x - mean) * torch.rsqrt(var + 1e-5) * self.weight
 
 
-class LNFp32Autocast(nn.Module):
+class LNFp32Autocast(_Affine):
     """Autocast-like: F.layer_norm in float32 around a half model, cast back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
-        self.bias = nn.Parameter(torch.randn(H) * 0.2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.layer_norm(x.float(), (H,), self.weight.float(), self.bias.float(), 1e-5)
         return y.to(x.dtype)
 
 
-class LNHandFp32(nn.Module):
+class LNHandFp32(_Weighted):
     """Hand-written LayerNorm with float32 statistics (Cohere/OLMo style), mean-centred, no bias."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -244,13 +227,10 @@ class LNHandFp32(nn.Module):
         return (self.weight.to(torch.float32) * h).to(dtype)
 
 
-class LNLastTwoDims(nn.Module):
+class LNLastTwoDims(_Affine):
     """F.layer_norm over the last two dims, and a hand-written mean over (-2, -1)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(SEQ, H) * 0.2 + 1)
-        self.bias = nn.Parameter(torch.randn(SEQ, H) * 0.2)
+    shape = (SEQ, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.layer_norm(x, (SEQ, H), self.weight, self.bias, 1e-5)
@@ -259,36 +239,23 @@ class LNLastTwoDims(nn.Module):
         return (y - mean) / (var + 1e-5).sqrt() * self.weight
 
 
-class LNStdOutsideEps(nn.Module):
+class LNStdOutsideEps(_Weighted):
     """(x - mean) / (std + eps): NOT a LayerNorm (epsilon outside the root). Must stay."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mean = x.mean(-1, keepdim=True)
         return (x - mean) / (x.std(-1, unbiased=False, keepdim=True) + 1e-5) * self.weight
 
 
-class L2Normalize(nn.Module):
+class L2Normalize(_Weighted):
     """F.normalize(x) * sqrt(d) * w: NOT an RMSNorm (max(||x||, eps), not sqrt(mean + eps)). Must stay."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.normalize(x, dim=-1) * math.sqrt(H) * self.weight + x / x.norm(dim=-1, keepdim=True)
 
 
-class LNSumDivN(nn.Module):
+class LNSumDivN(_Affine):
     """Means written as x.sum(-1) / x.shape[-1]."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
-        self.bias = nn.Parameter(torch.randn(H) * 0.2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[-1]
@@ -297,25 +264,16 @@ class LNSumDivN(nn.Module):
         return (x - mean) * (var + 1e-5).rsqrt() * self.weight + self.bias
 
 
-class RMSPaperStyle(nn.Module):
+class RMSPaperStyle(_Weighted):
     """The RMSNorm paper's code: x / (||x|| * d^-1/2 + eps). NOT an RMSNorm (epsilon outside the root). Must stay."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rms = x.norm(2, dim=-1, keepdim=True) * H ** -0.5
         return self.weight * (x / (rms + 1e-8))
 
 
-class LNStdUnbiased(nn.Module):
+class LNStdUnbiased(_Affine):
     """Annotated-Transformer LayerNorm: (x - mean) / (x.std() + eps), unbiased std. NOT a LayerNorm. Must stay."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(H) * 0.2 + 1)
-        self.bias = nn.Parameter(torch.randn(H) * 0.2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mean = x.mean(-1, keepdim=True)
