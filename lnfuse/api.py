@@ -142,7 +142,7 @@ def anchor(loaded: io.Loaded, folder: Path | None = None) -> Path | None:
         folder = loaded.path.parent.resolve()
     if folder is None:
         folder = _tensor_folder(loaded.model)
-    if folder is not None:
+    if folder is not None and loaded.has_external_data:  # else no tensor reads a file (a walk of every node)
         ir.external_data.set_base_dir(loaded.model.graph, folder)
     return folder
 

@@ -94,13 +94,15 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
         report.notes.extend(f"{scope.path}: removed {what}" for what in removed)
         refusals: list[tuple[Rule, _Pass]] = []
         swept = False
+        order: _Order | None = None  # shared by the rules' passes until one rewrites the graph
         for rule in options.rules:
             step += 1
             if options.target not in rule.targets:
                 continue
             if options.progress is not None:
                 options.progress((step - 1) / steps, f"{scope.path}: {rule.name}")
-            found = find(rule, ctx)
+            order = order or _Order.of(scope.graph)
+            found = find(rule, ctx, order)
             kept = _verified(found.accepted, model, scope, options, report, found)
             for candidate in kept:
                 apply(scope.graph, candidate.replacement, found.position, ctx.fresh_name)
@@ -109,6 +111,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
             if kept:
                 cleanup(scope.graph, kept)
                 swept = True
+                order = None
         if removed and not swept:  # nothing fused here, but what the removals left unread goes too
             cleanup(scope.graph, [])
         _record_refusals(scope, refusals, report)
@@ -140,10 +143,32 @@ def _with_subgraphs(graph: ir.Graph | ir.Function, path: str, opset: int) -> Ite
                 yield from _with_subgraphs(sub, f"{path}/{node.name or node.op_type}.{attr.name}", opset)
 
 
-def find(rule: Rule, ctx: GraphContext) -> _Pass:
-    """Greedy, outputs first: the first match found from the last node of a norm is its largest form."""
-    nodes = list(ctx.graph)
-    position: dict[ir.Node, float] = {node: i for i, node in enumerate(nodes)}
+@dataclass
+class _Order:
+    """A graph's nodes in order and their positions, and the nodes near each set of anchors: what every rule's pass
+    reads first, worked out once for the graph as it is (on a graph of a million nodes each costs a pass over it).
+    A pass that rewrites the graph makes it stale."""
+
+    nodes: list[ir.Node]
+    position: dict[ir.Node, float]
+    near: dict[frozenset[str], list[ir.Node]] = field(default_factory=dict)
+
+    @staticmethod
+    def of(graph: ir.Graph | ir.Function) -> _Order:
+        nodes = list(graph)
+        return _Order(nodes, {node: i for i, node in enumerate(nodes)})
+
+    def near_nodes(self, anchors: frozenset[str]) -> list[ir.Node]:
+        if anchors not in self.near:
+            self.near[anchors] = _near(self.nodes, anchors)
+        return self.near[anchors]
+
+
+def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:
+    """Greedy, outputs first: the first match found from the last node of a norm is its largest form. ``order``:
+    the graph's (see ``_Order``), when the caller has it."""
+    order = order or _Order.of(ctx.graph)
+    position = order.position
     found = _Pass(position=position)
     cache = Cache()  # what matching works out about the graph; valid until the pass rewrites it
     consumed: set[ir.Node] = set()
@@ -151,10 +176,9 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
     roots = None if None in roots else frozenset().union(*roots)
     # every match covers an anchor among the root's producers: on a long graph with few norms, most roots are far
     # from any, and trying them would make matching cost the graph's size times the normal form's reach
-    near = _near(nodes, rule.anchors)
-    for node in reversed(nodes):
-        if node in consumed or not node.outputs or (roots is not None and node.op_type not in roots) \
-                or node not in near:
+    near = order.near_nodes(rule.anchors)
+    for node in reversed(near):
+        if node in consumed or not node.outputs or (roots is not None and node.op_type not in roots):
             continue
         candidate = _first_valid(rule, ctx, node.outputs[0], consumed, found, position, cache)
         if candidate is not None:
@@ -162,8 +186,8 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
             consumed.update(candidate.replacement.region)
     for pattern, check, reason in rule.near_misses:
         near_roots = pattern.root_ops()
-        for node in nodes:
-            if near_roots is not None and node.op_type not in near_roots or node not in near:
+        for node in near:
+            if near_roots is not None and node.op_type not in near_roots:
                 continue  # the pattern cannot match here: skip making a matcher per node
             for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match(cache=cache))):
                 for anchor in rule.anchor_nodes(m):
@@ -175,21 +199,25 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
     return found
 
 
-def _near(nodes: list[ir.Node], anchors: frozenset[str]) -> set[ir.Node]:
-    """The nodes within ``_REACH`` producer steps of an anchor, in one pass over the graph in order. A producer not
-    seen before (in an enclosing scope, or later in an unsorted graph) counts as an anchor: this only prunes."""
+def _near(nodes: list[ir.Node], anchors: frozenset[str]) -> list[ir.Node]:
+    """The nodes within ``_REACH`` producer steps of an anchor, in graph order, in one pass over the graph. A
+    producer not seen before (in an enclosing scope, or later in an unsorted graph) counts as an anchor: this only
+    prunes."""
     steps: dict[ir.Node, int] = {}
+    near = []
     for node in nodes:
         if node.op_type in anchors:
             steps[node] = 0
+            near.append(node)
             continue
         nearest = _REACH + 1
         for value in node.inputs:
-            producer = value.producer() if value is not None else None
-            if producer is not None:
+            if value is not None and (producer := value.producer()) is not None:
                 nearest = min(nearest, steps.get(producer, 0) + 1)
         steps[node] = nearest
-    return {node for node, n in steps.items() if n <= _REACH}
+        if nearest <= _REACH:
+            near.append(node)
+    return near
 
 
 class _Reads(Mapping):
@@ -507,8 +535,7 @@ def _all_names(model: ir.Model) -> set[str]:
 
 def nodes_of(model: ir.Model) -> set[ir.Node]:
     """Every node of the model, subgraphs and functions included (what was there before a rewrite)."""
-    return {node for graph in [model.graph, *model.functions.values()]
-            for node in ir.traversal.RecursiveGraphIterator(graph)}
+    return {node for graph in [model.graph, *model.functions.values()] for node in every_node(graph)}
 
 
 def type_new_values(model: ir.Model, before: set[ir.Node]) -> set[str]:
@@ -519,7 +546,7 @@ def type_new_values(model: ir.Model, before: set[ir.Node]) -> set[str]:
     names: set[str] = set()
     for graph in [model.graph, *model.functions.values()]:
         opsets = {**model.opset_imports, **(graph.opset_imports if isinstance(graph, ir.Function) else {})}
-        new = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n not in before]
+        new = [n for n in every_node(graph) if n not in before]
         untyped = []
         for node in new:
             if any(_untyped(v) for v in node.outputs) and not _infer_node(node, opsets, model.ir_version):
