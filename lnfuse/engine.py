@@ -145,22 +145,33 @@ def _with_subgraphs(graph: ir.Graph | ir.Function, path: str, opset: int) -> Ite
 
 @dataclass
 class _Order:
-    """A graph's nodes in order and their positions, and the nodes near each set of anchors: what every rule's pass
-    reads first, worked out once for the graph as it is (on a graph of a million nodes each costs a pass over it).
-    A pass that rewrites the graph makes it stale."""
+    """What every rule's pass reads first, worked out in one pass over the graph as it is (on a graph of a million
+    nodes each pass costs): its nodes in order and their positions, the nodes of each op type, and the nodes that
+    read a value no earlier node of the graph produces (from an enclosing scope, or out of order). A pass that
+    rewrites the graph makes it stale."""
 
     nodes: list[ir.Node]
     position: dict[ir.Node, float]
+    of_op: dict[str, list[ir.Node]]
+    unseen_producer: list[ir.Node]
     near: dict[frozenset[str], list[ir.Node]] = field(default_factory=dict)
 
     @staticmethod
     def of(graph: ir.Graph | ir.Function) -> _Order:
-        nodes = list(graph)
-        return _Order(nodes, {node: i for i, node in enumerate(nodes)})
+        nodes, position, of_op, unseen = [], {}, {}, []
+        for node in graph:
+            for value in node.inputs:
+                if value is not None and (producer := value.producer()) is not None and producer not in position:
+                    unseen.append(node)
+                    break
+            position[node] = len(nodes)
+            nodes.append(node)
+            of_op.setdefault(node.op_type, []).append(node)
+        return _Order(nodes, position, of_op, unseen)
 
     def near_nodes(self, anchors: frozenset[str]) -> list[ir.Node]:
         if anchors not in self.near:
-            self.near[anchors] = _near(self.nodes, anchors)
+            self.near[anchors] = _near(self, anchors)
         return self.near[anchors]
 
 
@@ -199,25 +210,30 @@ def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:
     return found
 
 
-def _near(nodes: list[ir.Node], anchors: frozenset[str]) -> list[ir.Node]:
-    """The nodes within ``_REACH`` producer steps of an anchor, in graph order, in one pass over the graph. A
-    producer not seen before (in an enclosing scope, or later in an unsorted graph) counts as an anchor: this only
-    prunes."""
-    steps: dict[ir.Node, int] = {}
-    near = []
-    for node in nodes:
-        if node.op_type in anchors:
-            steps[node] = 0
-            near.append(node)
-            continue
-        nearest = _REACH + 1
-        for value in node.inputs:
-            if value is not None and (producer := value.producer()) is not None:
-                nearest = min(nearest, steps.get(producer, 0) + 1)
-        steps[node] = nearest
-        if nearest <= _REACH:
-            near.append(node)
-    return near
+def _near(order: _Order, anchors: frozenset[str]) -> list[ir.Node]:
+    """The nodes within ``_REACH`` producer steps of an anchor, in graph order: a breadth-first walk from the anchors
+    to the readers of their outputs, each step from a producer to a later reader in the graph. A producer that is
+    not an earlier node of the graph (in an enclosing scope, or later in an unsorted graph) counts as an anchor:
+    this only prunes."""
+    steps: dict[ir.Node, int] = {node: 0 for op in anchors for node in order.of_op.get(op, ())}
+    frontier = list(steps)
+    later = [node for node in order.unseen_producer if node not in steps]  # one step from such a producer
+    position = order.position
+    for step in range(1, _REACH + 1):
+        reached = []
+        for node in later if step == 1 else ():
+            if node not in steps:
+                steps[node] = step
+                reached.append(node)
+        for node in frontier:
+            at = position[node]
+            for value in node.outputs:
+                for reader, _ in value.uses():
+                    if reader not in steps and position.get(reader, -1) > at:
+                        steps[reader] = step
+                        reached.append(reader)
+        frontier = reached
+    return sorted(steps, key=position.__getitem__)
 
 
 class _Reads(Mapping):
