@@ -306,8 +306,8 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     # inferred types are set on the IR values directly (_set_types): the value_info is not deserialized
     types = list(inferred.graph.value_info)
     inferred.graph.ClearField("value_info")
-    inferred_names = {v.name for v in types}
     constants = _large_constants(proto.graph)
+    inferred_names = {v.name for v in types} if constants else set()
     for i, tensor in constants.items():
         node = proto.graph.node[i]
         if node.output[0] not in inferred_names:
