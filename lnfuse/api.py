@@ -186,11 +186,11 @@ class _Stages:
 
 def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
     report = Report(source=source, target=options.target, verified=options.verify)
-    report.ops_before = _op_counts(loaded.model)
+    before = nodes_of(loaded.model)
+    report.ops_before = _count_ops(before)
     if loaded.shape_inference_error:
         report.notes.append(f"shape inference failed ({loaded.shape_inference_error}); checks that need shapes "
                             "refuse where shapes are unknown")
-    before = nodes_of(loaded.model)
     fuse_model(loaded.model, options, report)
     loaded.declared_value_info |= type_new_values(loaded.model, before)
     report.unfused.extend(quantized_norms(loaded.model, report))
@@ -280,10 +280,8 @@ def _onnx_defines(op_type: str, opset: int) -> bool:
 
 
 def _op_counts(model: ir.Model) -> dict[str, int]:
-    counts: Counter[str] = Counter()
-    for node in every_node(model.graph):
-        counts[node.op_type] += 1
-    for function in model.functions.values():
-        for node in every_node(function):
-            counts[node.op_type] += 1
-    return dict(counts)
+    return _count_ops(nodes_of(model))
+
+
+def _count_ops(nodes: Iterable[ir.Node]) -> dict[str, int]:
+    return dict(Counter(node.op_type for node in nodes))

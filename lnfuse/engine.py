@@ -549,12 +549,13 @@ def _all_names(model: ir.Model) -> set[str]:
     return names
 
 
-def nodes_of(model: ir.Model) -> set[ir.Node]:
-    """Every node of the model, subgraphs and functions included (what was there before a rewrite)."""
-    return {node for graph in [model.graph, *model.functions.values()] for node in every_node(graph)}
+def nodes_of(model: ir.Model) -> dict[ir.Node, None]:
+    """Every node of the model, subgraphs and functions included (what was there before a rewrite), in the order
+    of ``every_node`` over the main graph and then each function."""
+    return dict.fromkeys(node for graph in [model.graph, *model.functions.values()] for node in every_node(graph))
 
 
-def type_new_values(model: ir.Model, before: set[ir.Node]) -> set[str]:
+def type_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Node]) -> set[str]:
     """Give every value lnfuse wrote (the outputs of nodes not in ``before``) its dtype and shape, and return their
     names: the saved model declares them, so that a later pass (decompose, ORT, onnx's inference) sees a fully
     typed graph. Rules type what they can from the values they replace; the rest is inferred here, node by node

@@ -82,9 +82,11 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
     return proto, weights if weights.tensors else None
 
 
-def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None) -> onnx.ModelProto:
+def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None
+             ) -> tuple[onnx.ModelProto, dict[int, onnx.TensorProto]]:
     """Versions, external files, then onnx's checker on the model's skeleton (the weights' bytes are not what
-    makes a graph valid, and checking them would cost a full copy). Returns the skeleton."""
+    makes a graph valid, and checking them would cost a full copy). Returns the skeleton, and the Constant nodes
+    of ``proto`` holding weights (``_large_constants``), which it holds as inputs."""
     repair(proto, where)  # what ONNX Runtime repairs itself (node order, domains, -1 dims), or its refusal
     max_opset = onnx.defs.onnx_opset_version()
     for imp in proto.opset_import:
@@ -94,7 +96,8 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Pa
         if imp.domain in ("", "ai.onnx") and imp.version > max_opset:
             raise InputError(f"{where}: opset {imp.version} is newer than this onnx supports ({max_opset}); "
                              "upgrade onnx or re-export at a lower opset")
-    checked = _skeleton(proto, base_dir)
+    constants = _large_constants(proto.graph)  # after repair, which may have put the nodes in another order
+    checked = _skeleton(proto, base_dir, constants)
     declare_output_shapes(proto, checked)  # outputs typed without a shape: ORT reads them as unknown rank
     ort_only = _ort_only_ops(checked)
     # ONNX Runtime's default-domain ops (a model fused with --target ort): everything else is checked
@@ -115,7 +118,7 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Pa
                 from None
     del checked_bytes
     _check_types(without_bytes, where)
-    return checked
+    return checked, constants
 
 
 #: what strict inference says when the types of a node do not line up (ONNX Runtime refuses to load such a model)
@@ -203,10 +206,12 @@ def _large_constant(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return tensor if tensor is not None and math.prod(tensor.dims) > _WEIGHT_ELEMENTS else None
 
 
-def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
-    """The model without its weights: each large initializer, and each Constant node holding a large tensor,
-    becomes a typed graph input. Shape inference and the structural checks run on this in milliseconds instead of
-    copying and serializing gigabytes (ORT's symbolic inference would decode every Constant)."""
+def _skeleton(proto: onnx.ModelProto, base_dir: Path | None, constants: dict[int, onnx.TensorProto]
+              ) -> onnx.ModelProto:
+    """The model without its weights: each large initializer, and each Constant node holding a large tensor
+    (``constants``), becomes a typed graph input. Shape inference and the structural checks run on this in
+    milliseconds instead of copying and serializing gigabytes (ORT's symbolic inference would decode every
+    Constant)."""
     skeleton = onnx.ModelProto(ir_version=proto.ir_version)
     skeleton.opset_import.extend(proto.opset_import)
     skeleton.functions.extend(proto.functions)
@@ -226,7 +231,6 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
         else:
             weights.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
     skeleton.graph.CopyFrom(onnx.GraphProto(name=graph.name, doc_string=graph.doc_string))
-    constants = _large_constants(graph)
     if constants:
         for i, node in enumerate(graph.node):
             if i in constants:
@@ -299,14 +303,13 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     # the trust check listed a file for each external tensor that is not a placeholder of lnfuse's (dense tensors
     # made from sparse ones are inline)
     has_external = bool(data_files)
-    skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
+    skeleton, constants = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
     inferred, error = infer_shapes(skeleton)
     del skeleton  # each copy of the graph is let go as soon as it is not needed: a big graph's peak is its copies
     # inferred types are set on the IR values directly (_set_types): the value_info is not deserialized
     types = list(inferred.graph.value_info)
     inferred.graph.ClearField("value_info")
-    constants = _large_constants(proto.graph)
     inferred_names = {v.name for v in types} if constants else set()
     for i, tensor in constants.items():
         node = proto.graph.node[i]
