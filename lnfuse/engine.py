@@ -82,9 +82,11 @@ class _Pass:
     position: dict[ir.Node, float] = field(default_factory=dict)
 
 
-def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
-    """Rewrite ``model`` in place and record what happened in ``report``."""
-    names = _all_names(model)
+def fuse_model(model: ir.Model, options: Options, report: Report,
+               nodes: Iterable[ir.Node] | None = None) -> None:
+    """Rewrite ``model`` in place and record what happened in ``report``. ``nodes``: every node of the model
+    (``nodes_of``), when the caller has them."""
+    names = _all_names(model, nodes)
     opsets_used: dict[str, int] = {}
     every_scope = list(scopes(model))
     steps, step = max(1, len(every_scope) * len(options.rules)), 0
@@ -536,15 +538,18 @@ def _same_static_shape(a: ir.Value, b: ir.Value) -> bool:
         and list(a.shape) == list(b.shape)
 
 
-def _all_names(model: ir.Model) -> set[str]:
+def _all_names(model: ir.Model, nodes: Iterable[ir.Node] | None = None) -> set[str]:
+    """The names of the model's nodes and values. ``nodes``: every node of the model (``nodes_of``), when the
+    caller has them (else they are walked)."""
     names = set()
-    for graph in [model.graph, *model.functions.values()]:
+    graphs = [model.graph, *model.functions.values()]
+    for graph in graphs:
         for value in graph.inputs:
             names.add(value.name)
-        for node in every_node(graph):
-            names.add(node.name)
-            names.update(v.name for v in node.outputs)
-            names.update(v.name for v in node.inputs if v is not None)
+    for node in nodes if nodes is not None else (node for graph in graphs for node in every_node(graph)):
+        names.add(node.name)
+        names.update(v.name for v in node.outputs)
+        names.update(v.name for v in node.inputs if v is not None)
     names.update(model.graph.initializers)
     return names
 
