@@ -8,6 +8,7 @@ names of the value_info entries the input had are remembered and the others are 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import mmap
 import os
@@ -437,13 +438,13 @@ def _dense(sparse: onnx.SparseTensorProto, where: str) -> onnx.TensorProto:
 
 def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:
     """Drop the shapes lnfuse inferred for its own use, so the output declares what the input declared."""
-    for graph in _all_graphs(model):
-        produced = (out for node in graph for out in node.outputs)
-        for value in produced:
-            if value.is_graph_output() or value.name in declared:
-                continue
-            value.type = None
-            value.shape = None
+    # the nodes of the main graph and its bodies in one walk, and of each function (``_all_graphs``' graphs)
+    nodes = itertools.chain(every_node(model.graph), *(iter(f) for f in model.functions.values()))
+    for value in (out for node in nodes for out in node.outputs):
+        if value.is_graph_output() or value.name in declared:
+            continue
+        value.type = None
+        value.shape = None
 
 
 def _all_graphs(model: ir.Model):
