@@ -142,7 +142,7 @@ def anchor(loaded: io.Loaded, folder: Path | None = None) -> Path | None:
         folder = loaded.path.parent.resolve()
     if folder is None:
         folder = _tensor_folder(loaded.model)
-    if folder is not None:
+    if folder is not None and loaded.has_external_data:  # else no tensor reads a file (a walk of every node)
         ir.external_data.set_base_dir(loaded.model.graph, folder)
     return folder
 
@@ -186,16 +186,17 @@ class _Stages:
 
 def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
     report = Report(source=source, target=options.target, verified=options.verify)
-    report.ops_before = _op_counts(loaded.model)
+    before = nodes_of(loaded.model)
+    report.ops_before = _count_ops(before)
     if loaded.shape_inference_error:
         report.notes.append(f"shape inference failed ({loaded.shape_inference_error}); checks that need shapes "
                             "refuse where shapes are unknown")
-    before = nodes_of(loaded.model)
-    fuse_model(loaded.model, options, report)
+    fuse_model(loaded.model, options, report, before)
     loaded.declared_value_info |= type_new_values(loaded.model, before)
     report.unfused.extend(quantized_norms(loaded.model, report))
-    report.ops_after = _op_counts(loaded.model)
-    _note_runtime_ops(loaded.model, report)
+    after = _ops_by_graph(loaded.model)  # one walk for both (a walk of a million nodes costs)
+    report.ops_after = _count_ops_by_type(after)
+    _note_runtime_ops(loaded.model, report, after)
     opset_refusals = [u for u in report.unfused if u.check == "opset"]
     if opset_refusals:
         report.notes.append(f"{len(opset_refusals)} candidate(s) need a newer opset: rerun with --upgrade-opset "
@@ -249,14 +250,16 @@ def _quantize(loaded: io.Loaded, report: Report, scheme: str) -> None:
         report.ops_after = _op_counts(loaded.model)
 
 
-def _note_runtime_ops(model: ir.Model, report: Report) -> None:
+def _note_runtime_ops(model: ir.Model, report: Report,
+                      ops: dict[ir.Graph | ir.Function, Counter[tuple[str, str]]]) -> None:
     """Say which ops only ONNX Runtime runs: its contrib ops (onnx.checker accepts other domains) and its own ops
-    in the default domain where ONNX has none at the model's opset (onnx.checker rejects those)."""
+    in the default domain where ONNX has none at the model's opset (onnx.checker rejects those). ``ops``: the
+    model's, from ``_ops_by_graph``."""
     opset = model.opset_imports.get("", 1)
     contrib, default = set(), set()
-    for graph in [model.graph, *model.functions.values()]:
+    for graph, counts in ops.items():
         graph_opset = graph.opset_imports.get("", opset) if isinstance(graph, ir.Function) else opset
-        for domain, op_type in {(node.domain, node.op_type) for node in every_node(graph)}:
+        for domain, op_type in counts:
             if domain == "com.microsoft":
                 contrib.add(op_type)
             elif domain in ("", "ai.onnx") and not _onnx_defines(op_type, graph_opset):
@@ -280,10 +283,24 @@ def _onnx_defines(op_type: str, opset: int) -> bool:
 
 
 def _op_counts(model: ir.Model) -> dict[str, int]:
+    return _count_ops(nodes_of(model))
+
+
+def _count_ops(nodes: Iterable[ir.Node]) -> dict[str, int]:
+    return dict(Counter(node.op_type for node in nodes))
+
+
+def _ops_by_graph(model: ir.Model) -> dict[ir.Graph | ir.Function, Counter[tuple[str, str]]]:
+    """For the main graph (with its subgraphs) and each function: how many nodes of each (domain, op type), in the
+    order they first appear."""
+    return {graph: Counter((node.domain, node.op_type) for node in every_node(graph))
+            for graph in [model.graph, *model.functions.values()]}
+
+
+def _count_ops_by_type(ops: dict[ir.Graph | ir.Function, Counter[tuple[str, str]]]) -> dict[str, int]:
+    """``_op_counts`` from ``_ops_by_graph``: each op type in the order it first appears."""
     counts: Counter[str] = Counter()
-    for node in every_node(model.graph):
-        counts[node.op_type] += 1
-    for function in model.functions.values():
-        for node in every_node(function):
-            counts[node.op_type] += 1
+    for graph_counts in ops.values():
+        for (_, op_type), count in graph_counts.items():
+            counts[op_type] += count
     return dict(counts)

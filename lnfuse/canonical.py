@@ -35,27 +35,36 @@ def canonicalize(graph: ir.Graph | ir.Function, fresh_name: Callable[[str], str]
     names of the graphs around them)."""
     host = graph.graph if isinstance(graph, ir.Function) else graph
     removed = []
-    likes = sum(_cast_like_to_cast(host, node, fresh_name) for node in list(host) if _is_known_cast_like(node))
+    # the nodes each step looks at, in graph order, listed in one pass (on a graph of a million nodes each pass
+    # costs): no step adds or removes nodes of a later step's op, but the CastLike step adds Casts
+    of_op: dict[str, list[ir.Node]] = {op: [] for op in _STEP_OPS}
+    for node in host:
+        if node.op_type in of_op:
+            of_op[node.op_type].append(node)
+    likes = sum(_cast_like_to_cast(host, node, fresh_name) for node in of_op["CastLike"] if _is_known_cast_like(node))
     if likes:
         removed.append(f"{likes} CastLike(s) of a known dtype (now Cast)")
-    casts = sum(_bypass(host, node) for node in list(host) if _is_noop_cast(node))
+    casts = sum(_bypass(host, node) for node in (list(host) if likes else of_op["Cast"]) if _is_noop_cast(node))
     if casts:
         removed.append(f"{casts} Cast(s) to the dtype their input already has")
     ones = 0
-    for node in list(host):
+    for node in of_op["Mul"]:
         source = _times_one(node)
         ones += source is not None and _bypass(host, node, source)
     if ones:
         removed.append(f"{ones} Mul(s) by 1")
-    shapes = sum(_shape_from_ids(host, node, fresh_name) for node in list(host)
-                 if node.op_type == "Shape" and _is_onnx(node))
+    shapes = sum(_shape_from_ids(host, node, fresh_name) for node in of_op["Shape"] if _is_onnx(node))
     if shapes:
         removed.append(f"{shapes} Shape(s) of embedding lookups (now read from the ids)")
     pairs = sum(_bypass(host, node, node.inputs[0].producer().inputs[0])
-                for node in list(host) if _is_identity_requantization(node))
+                for node in of_op["DequantizeLinear"] if _is_identity_requantization(node))
     if pairs:
         removed.append(f"{pairs} QuantizeLinear/DequantizeLinear pair(s) that give back their input exactly")
     return removed
+
+
+#: the ops ``canonicalize`` rewrites, in the order of its steps
+_STEP_OPS = ("CastLike", "Cast", "Mul", "Shape", "DequantizeLinear")
 
 
 def _bypass(host: ir.Graph, node: ir.Node, source: ir.Value | None = None) -> bool:

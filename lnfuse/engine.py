@@ -82,9 +82,11 @@ class _Pass:
     position: dict[ir.Node, float] = field(default_factory=dict)
 
 
-def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
-    """Rewrite ``model`` in place and record what happened in ``report``."""
-    names = _all_names(model)
+def fuse_model(model: ir.Model, options: Options, report: Report,
+               nodes: Iterable[ir.Node] | None = None) -> None:
+    """Rewrite ``model`` in place and record what happened in ``report``. ``nodes``: every node of the model
+    (``nodes_of``), when the caller has them."""
+    names = _all_names(model, nodes)
     opsets_used: dict[str, int] = {}
     every_scope = list(scopes(model))
     steps, step = max(1, len(every_scope) * len(options.rules)), 0
@@ -94,13 +96,15 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
         report.notes.extend(f"{scope.path}: removed {what}" for what in removed)
         refusals: list[tuple[Rule, _Pass]] = []
         swept = False
+        order: _Order | None = None  # shared by the rules' passes until one rewrites the graph
         for rule in options.rules:
             step += 1
             if options.target not in rule.targets:
                 continue
             if options.progress is not None:
                 options.progress((step - 1) / steps, f"{scope.path}: {rule.name}")
-            found = find(rule, ctx)
+            order = order or _Order.of(scope.graph)
+            found = find(rule, ctx, order)
             kept = _verified(found.accepted, model, scope, options, report, found)
             for candidate in kept:
                 apply(scope.graph, candidate.replacement, found.position, ctx.fresh_name)
@@ -109,6 +113,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report) -> None:
             if kept:
                 cleanup(scope.graph, kept)
                 swept = True
+                order = None
         if removed and not swept:  # nothing fused here, but what the removals left unread goes too
             cleanup(scope.graph, [])
         _record_refusals(scope, refusals, report)
@@ -140,10 +145,43 @@ def _with_subgraphs(graph: ir.Graph | ir.Function, path: str, opset: int) -> Ite
                 yield from _with_subgraphs(sub, f"{path}/{node.name or node.op_type}.{attr.name}", opset)
 
 
-def find(rule: Rule, ctx: GraphContext) -> _Pass:
-    """Greedy, outputs first: the first match found from the last node of a norm is its largest form."""
-    nodes = list(ctx.graph)
-    position: dict[ir.Node, float] = {node: i for i, node in enumerate(nodes)}
+@dataclass
+class _Order:
+    """What every rule's pass reads first, worked out in one pass over the graph as it is (on a graph of a million
+    nodes each pass costs): its nodes in order and their positions, the nodes of each op type, and the nodes that
+    read a value no earlier node of the graph produces (from an enclosing scope, or out of order). A pass that
+    rewrites the graph makes it stale."""
+
+    nodes: list[ir.Node]
+    position: dict[ir.Node, float]
+    of_op: dict[str, list[ir.Node]]
+    unseen_producer: list[ir.Node]
+    near: dict[frozenset[str], list[ir.Node]] = field(default_factory=dict)
+
+    @staticmethod
+    def of(graph: ir.Graph | ir.Function) -> _Order:
+        nodes, position, of_op, unseen = [], {}, {}, []
+        for node in graph:
+            for value in node.inputs:
+                if value is not None and (producer := value.producer()) is not None and producer not in position:
+                    unseen.append(node)
+                    break
+            position[node] = len(nodes)
+            nodes.append(node)
+            of_op.setdefault(node.op_type, []).append(node)
+        return _Order(nodes, position, of_op, unseen)
+
+    def near_nodes(self, anchors: frozenset[str]) -> list[ir.Node]:
+        if anchors not in self.near:
+            self.near[anchors] = _near(self, anchors)
+        return self.near[anchors]
+
+
+def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:
+    """Greedy, outputs first: the first match found from the last node of a norm is its largest form. ``order``:
+    the graph's (see ``_Order``), when the caller has it."""
+    order = order or _Order.of(ctx.graph)
+    position = order.position
     found = _Pass(position=position)
     cache = Cache()  # what matching works out about the graph; valid until the pass rewrites it
     consumed: set[ir.Node] = set()
@@ -151,10 +189,9 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
     roots = None if None in roots else frozenset().union(*roots)
     # every match covers an anchor among the root's producers: on a long graph with few norms, most roots are far
     # from any, and trying them would make matching cost the graph's size times the normal form's reach
-    near = _near(nodes, rule.anchors)
-    for node in reversed(nodes):
-        if node in consumed or not node.outputs or (roots is not None and node.op_type not in roots) \
-                or node not in near:
+    near = order.near_nodes(rule.anchors)
+    for node in reversed(near):
+        if node in consumed or not node.outputs or (roots is not None and node.op_type not in roots):
             continue
         candidate = _first_valid(rule, ctx, node.outputs[0], consumed, found, position, cache)
         if candidate is not None:
@@ -162,8 +199,8 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
             consumed.update(candidate.replacement.region)
     for pattern, check, reason in rule.near_misses:
         near_roots = pattern.root_ops()
-        for node in nodes:
-            if near_roots is not None and node.op_type not in near_roots or node not in near:
+        for node in near:
+            if near_roots is not None and node.op_type not in near_roots:
                 continue  # the pattern cannot match here: skip making a matcher per node
             for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match(cache=cache))):
                 for anchor in rule.anchor_nodes(m):
@@ -175,21 +212,30 @@ def find(rule: Rule, ctx: GraphContext) -> _Pass:
     return found
 
 
-def _near(nodes: list[ir.Node], anchors: frozenset[str]) -> set[ir.Node]:
-    """The nodes within ``_REACH`` producer steps of an anchor, in one pass over the graph in order. A producer not
-    seen before (in an enclosing scope, or later in an unsorted graph) counts as an anchor: this only prunes."""
-    steps: dict[ir.Node, int] = {}
-    for node in nodes:
-        if node.op_type in anchors:
-            steps[node] = 0
-            continue
-        nearest = _REACH + 1
-        for value in node.inputs:
-            producer = value.producer() if value is not None else None
-            if producer is not None:
-                nearest = min(nearest, steps.get(producer, 0) + 1)
-        steps[node] = nearest
-    return {node for node, n in steps.items() if n <= _REACH}
+def _near(order: _Order, anchors: frozenset[str]) -> list[ir.Node]:
+    """The nodes within ``_REACH`` producer steps of an anchor, in graph order: a breadth-first walk from the anchors
+    to the readers of their outputs, each step from a producer to a later reader in the graph. A producer that is
+    not an earlier node of the graph (in an enclosing scope, or later in an unsorted graph) counts as an anchor:
+    this only prunes."""
+    steps: dict[ir.Node, int] = {node: 0 for op in anchors for node in order.of_op.get(op, ())}
+    frontier = list(steps)
+    later = [node for node in order.unseen_producer if node not in steps]  # one step from such a producer
+    position = order.position
+    for step in range(1, _REACH + 1):
+        reached = []
+        for node in later if step == 1 else ():
+            if node not in steps:
+                steps[node] = step
+                reached.append(node)
+        for node in frontier:
+            at = position[node]
+            for value in node.outputs:
+                for reader, _ in value.uses():
+                    if reader not in steps and position.get(reader, -1) > at:
+                        steps[reader] = step
+                        reached.append(reader)
+        frontier = reached
+    return sorted(steps, key=position.__getitem__)
 
 
 class _Reads(Mapping):
@@ -492,26 +538,29 @@ def _same_static_shape(a: ir.Value, b: ir.Value) -> bool:
         and list(a.shape) == list(b.shape)
 
 
-def _all_names(model: ir.Model) -> set[str]:
+def _all_names(model: ir.Model, nodes: Iterable[ir.Node] | None = None) -> set[str]:
+    """The names of the model's nodes and values. ``nodes``: every node of the model (``nodes_of``), when the
+    caller has them (else they are walked)."""
     names = set()
-    for graph in [model.graph, *model.functions.values()]:
+    graphs = [model.graph, *model.functions.values()]
+    for graph in graphs:
         for value in graph.inputs:
             names.add(value.name)
-        for node in every_node(graph):
-            names.add(node.name)
-            names.update(v.name for v in node.outputs)
-            names.update(v.name for v in node.inputs if v is not None)
+    for node in nodes if nodes is not None else (node for graph in graphs for node in every_node(graph)):
+        names.add(node.name)
+        names.update(v.name for v in node.outputs)
+        names.update(v.name for v in node.inputs if v is not None)
     names.update(model.graph.initializers)
     return names
 
 
-def nodes_of(model: ir.Model) -> set[ir.Node]:
-    """Every node of the model, subgraphs and functions included (what was there before a rewrite)."""
-    return {node for graph in [model.graph, *model.functions.values()]
-            for node in ir.traversal.RecursiveGraphIterator(graph)}
+def nodes_of(model: ir.Model) -> dict[ir.Node, None]:
+    """Every node of the model, subgraphs and functions included (what was there before a rewrite), in the order
+    of ``every_node`` over the main graph and then each function."""
+    return dict.fromkeys(node for graph in [model.graph, *model.functions.values()] for node in every_node(graph))
 
 
-def type_new_values(model: ir.Model, before: set[ir.Node]) -> set[str]:
+def type_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Node]) -> set[str]:
     """Give every value lnfuse wrote (the outputs of nodes not in ``before``) its dtype and shape, and return their
     names: the saved model declares them, so that a later pass (decompose, ORT, onnx's inference) sees a fully
     typed graph. Rules type what they can from the values they replace; the rest is inferred here, node by node
@@ -519,7 +568,7 @@ def type_new_values(model: ir.Model, before: set[ir.Node]) -> set[str]:
     names: set[str] = set()
     for graph in [model.graph, *model.functions.values()]:
         opsets = {**model.opset_imports, **(graph.opset_imports if isinstance(graph, ir.Function) else {})}
-        new = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n not in before]
+        new = [n for n in every_node(graph) if n not in before]
         untyped = []
         for node in new:
             if any(_untyped(v) for v in node.outputs) and not _infer_node(node, opsets, model.ir_version):

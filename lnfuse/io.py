@@ -8,6 +8,7 @@ names of the value_info entries the input had are remembered and the others are 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import mmap
 import os
@@ -82,9 +83,11 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
     return proto, weights if weights.tensors else None
 
 
-def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None) -> onnx.ModelProto:
+def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None
+             ) -> tuple[onnx.ModelProto, dict[int, onnx.TensorProto]]:
     """Versions, external files, then onnx's checker on the model's skeleton (the weights' bytes are not what
-    makes a graph valid, and checking them would cost a full copy). Returns the skeleton."""
+    makes a graph valid, and checking them would cost a full copy). Returns the skeleton, and the Constant nodes
+    of ``proto`` holding weights (``_large_constants``), which it holds as inputs."""
     repair(proto, where)  # what ONNX Runtime repairs itself (node order, domains, -1 dims), or its refusal
     max_opset = onnx.defs.onnx_opset_version()
     for imp in proto.opset_import:
@@ -94,37 +97,43 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Pa
         if imp.domain in ("", "ai.onnx") and imp.version > max_opset:
             raise InputError(f"{where}: opset {imp.version} is newer than this onnx supports ({max_opset}); "
                              "upgrade onnx or re-export at a lower opset")
-    checked = _skeleton(proto, base_dir)
+    constants = _large_constants(proto.graph)  # after repair, which may have put the nodes in another order
+    checked = _skeleton(proto, base_dir, constants)
     declare_output_shapes(proto, checked)  # outputs typed without a shape: ORT reads them as unknown rank
     ort_only = _ort_only_ops(checked)
     # ONNX Runtime's default-domain ops (a model fused with --target ort): everything else is checked
     without = _without_ort_only_ops(checked, ort_only) if ort_only else checked
+    # serialized once for the checker and the type check (on a graph of a million nodes, each copy costs)
+    checked_bytes = checked.SerializeToString()
+    without_bytes = without.SerializeToString() if ort_only else checked_bytes
     try:
-        onnx.checker.check_model(checked)
+        onnx.checker.check_model(checked_bytes)
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as error:
         if not ort_only:
             raise InputError(f"{where}: fails the ONNX checker ({first_line(error)}); fix or re-export the model")\
                 from None
         try:
-            onnx.checker.check_model(without)
+            onnx.checker.check_model(without_bytes)
         except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as again:
             raise InputError(f"{where}: fails the ONNX checker ({first_line(again)}); fix or re-export the model")\
                 from None
-    _check_types(without, where)
-    return checked
+    del checked_bytes
+    _check_types(without_bytes, where)
+    return checked, constants
 
 
 #: what strict inference says when the types of a node do not line up (ONNX Runtime refuses to load such a model)
 _TYPE_ERRORS = ("TypeInferenceError", "inconsistent type", "unsupported type")
 
 
-def _check_types(checked: onnx.ModelProto, where: str) -> None:
+def _check_types(checked: bytes, where: str) -> None:
     """onnx's basic checker does not look at types; ONNX Runtime refuses a node whose inputs bind one type
     parameter to two types, and what lnfuse would write from it fails the full checker. Only type errors are
     refused: a declared shape that disagrees with the inferred one is a claim ORT ignores (see ``shapes``).
-    ``checked`` holds no op only ONNX Runtime defines (onnx's inference would stop there)."""
+    ``checked`` (a serialized model) holds no op only ONNX Runtime defines (onnx's inference would stop there).
+    Only the verdict is used: the inferred model onnx returns is not parsed."""
     try:
-        onnx.shape_inference.infer_shapes(checked, check_type=True, strict_mode=True)
+        onnx.onnx_cpp2py_export.shape_inference.infer_shapes(checked, True, True, False)  # check_type, strict_mode
     except Exception as error:  # noqa: BLE001 - onnx also raises ValueError (an undefined elem type): no verdict
         # a node whose input has no type at all only follows from an earlier error (a shape one, say)
         found = [line for line in str(error).splitlines()
@@ -161,6 +170,8 @@ def _every_node(proto: onnx.ModelProto):
     while stack:
         for node in stack.pop():
             yield node
+            if not node.attribute:  # most nodes have none: testing is a third of the cost of listing them
+                continue
             for attr in node.attribute:
                 stack.extend([attr.g.node] if attr.HasField("g") else [])
                 stack.extend(g.node for g in attr.graphs)
@@ -175,11 +186,6 @@ def _without_ort_only_ops(proto: onnx.ModelProto, ops: set[str]) -> onnx.ModelPr
     for imports in [copy.opset_import, *(f.opset_import for f in copy.functions)]:
         imports.append(onnx.helper.make_opsetid(_ORT_DOMAIN, 1))
     return copy
-
-
-def _external_tensors(proto: onnx.ModelProto):
-    from onnx.external_data_helper import _get_all_tensors
-    return [t for t in _get_all_tensors(proto) if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
 #: initializers with more elements than this are weights: their values never decide a shape
@@ -201,10 +207,12 @@ def _large_constant(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return tensor if tensor is not None and math.prod(tensor.dims) > _WEIGHT_ELEMENTS else None
 
 
-def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
-    """The model without its weights: each large initializer, and each Constant node holding a large tensor,
-    becomes a typed graph input. Shape inference and the structural checks run on this in milliseconds instead of
-    copying and serializing gigabytes (ORT's symbolic inference would decode every Constant)."""
+def _skeleton(proto: onnx.ModelProto, base_dir: Path | None, constants: dict[int, onnx.TensorProto]
+              ) -> onnx.ModelProto:
+    """The model without its weights: each large initializer, and each Constant node holding a large tensor
+    (``constants``), becomes a typed graph input. Shape inference and the structural checks run on this in
+    milliseconds instead of copying and serializing gigabytes (ORT's symbolic inference would decode every
+    Constant)."""
     skeleton = onnx.ModelProto(ir_version=proto.ir_version)
     skeleton.opset_import.extend(proto.opset_import)
     skeleton.functions.extend(proto.functions)
@@ -224,7 +232,6 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
         else:
             weights.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
     skeleton.graph.CopyFrom(onnx.GraphProto(name=graph.name, doc_string=graph.doc_string))
-    constants = _large_constants(graph)
     if constants:
         for i, node in enumerate(graph.node):
             if i in constants:
@@ -268,6 +275,8 @@ def _one_base_dir(model: ir.Model) -> Path | None:
 def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
     names.update(v.name for v in graph.value_info)
     for node in graph.node:
+        if not node.attribute:
+            continue
         for attr in node.attribute:
             for sub in list(attr.g and [attr.g] or []) + list(attr.graphs):
                 _value_info_names(sub, names)
@@ -292,18 +301,17 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
         (proto, lazy, data_files), where = read_proto(path), str(path)
     wellformed.check(proto, where)
     _densify_sparse(proto, where)
-    external = _external_tensors(proto)
-    skeleton = validate(proto, where, path, path.parent if path is not None else base_dir)
+    # the trust check listed a file for each external tensor that is not a placeholder of lnfuse's (dense tensors
+    # made from sparse ones are inline)
+    has_external = bool(data_files)
+    skeleton, constants = validate(proto, where, path, path.parent if path is not None else base_dir)
     declared = _value_info_names(proto.graph, set())
-    has_external = any(lazy is None or not lazy.holds(t) for t in external)
-    del external
     inferred, error = infer_shapes(skeleton)
     del skeleton  # each copy of the graph is let go as soon as it is not needed: a big graph's peak is its copies
     # inferred types are set on the IR values directly (_set_types): the value_info is not deserialized
     types = list(inferred.graph.value_info)
     inferred.graph.ClearField("value_info")
-    inferred_names = {v.name for v in types}
-    constants = _large_constants(proto.graph)
+    inferred_names = {v.name for v in types} if constants else set()
     for i, tensor in constants.items():
         node = proto.graph.node[i]
         if node.output[0] not in inferred_names:
@@ -393,8 +401,10 @@ MAX_DENSE_SPARSE_BYTES = 256 << 20
 def _densify_sparse(proto: onnx.ModelProto, where: str) -> None:
     """Sparse constants and initializers as dense tensors of the same values (onnx_ir reads only dense ones)."""
     for node in _every_node(proto):
+        if node.op_type != "Constant":
+            continue
         for attr in node.attribute:
-            if node.op_type == "Constant" and attr.name == "sparse_value":
+            if attr.name == "sparse_value":
                 dense = onnx.helper.make_attribute("value", _dense(attr.sparse_tensor, where))
                 attr.CopyFrom(dense)
     proto.graph.initializer.extend(_dense(sparse, where) for sparse in proto.graph.sparse_initializer)
@@ -428,13 +438,13 @@ def _dense(sparse: onnx.SparseTensorProto, where: str) -> onnx.TensorProto:
 
 def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:
     """Drop the shapes lnfuse inferred for its own use, so the output declares what the input declared."""
-    for graph in _all_graphs(model):
-        produced = (out for node in graph for out in node.outputs)
-        for value in produced:
-            if value.is_graph_output() or value.name in declared:
-                continue
-            value.type = None
-            value.shape = None
+    # the nodes of the main graph and its bodies in one walk, and of each function (``_all_graphs``' graphs)
+    nodes = itertools.chain(every_node(model.graph), *(iter(f) for f in model.functions.values()))
+    for value in (out for node in nodes for out in node.outputs):
+        if value.is_graph_output() or value.name in declared:
+            continue
+        value.type = None
+        value.shape = None
 
 
 def _all_graphs(model: ir.Model):
@@ -469,13 +479,14 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
             raise OutputError(f"{target}: folder {str(where)!r} does not exist; create it first")
         if not os.access(where, os.W_OK):
             raise OutputError(f"{target}: folder {str(where)!r} is not writable; choose another output path")
-    # weights that go to ``<output>.data``: asked for, or too many to stay inline (walks every tensor: once)
-    spill = external_data == "single" or _inline_bytes(model) > _INLINE_LIMIT
-    _check_overwrites(model, target, folder, external_data, spill, input_path, in_place, source, report_path)
+    parts = _Parts.of(model)
+    # weights that go to ``<output>.data``: asked for, or too many to stay inline
+    spill = external_data == "single" or _inline_bytes(parts) > _INLINE_LIMIT
+    _check_overwrites(model, parts, target, folder, external_data, spill, input_path, in_place, source, report_path)
     try:
         with Staging() as staging:
             tmp = staging.area(folder)
-            _write(model, tmp / target.name, external_data, spill, folder, source)
+            _write(model, parts, tmp / target.name, external_data, spill, folder, source)
             if report is not None:
                 (staging.area(report_path.parent) / report_path.name).write_text(report[1])
             staging.commit(last=target)
@@ -488,20 +499,38 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
 _INLINE_LIMIT = onnx.checker.MAXIMUM_PROTOBUF * 0.9
 
 
-def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data: str | None, spill: bool,
-                      input_path: Path | None, in_place: bool, source: SourceWeights | None,
+@dataclass
+class _Parts:
+    """Where a model keeps its tensors, found in one walk of its nodes (on a graph of a million nodes each walk
+    costs): its graphs (the main one, If/Loop/Scan bodies, functions), the main graph's Constant nodes with a tensor
+    value (position, node, attribute), and the files its external tensors are read from (file, location)."""
+
+    graphs: list[ir.Graph | ir.Function]
+    constants: list[tuple[int, ir.Node, ir.Attr]]
+    files: set[tuple[Path, str]]
+
+    @staticmethod
+    def of(model: ir.Model) -> _Parts:
+        graphs = list(_all_graphs(model))
+        constants = [(i, node, attribute) for i, node in enumerate(model.graph)
+                     if (attribute := _constant_value(node)) is not None]
+        return _Parts(graphs, constants, _referenced_files(graphs))
+
+
+def _check_overwrites(model: ir.Model, parts: _Parts, target: Path, folder: Path, external_data: str | None,
+                      spill: bool, input_path: Path | None, in_place: bool, source: SourceWeights | None,
                       report: Path | None) -> None:
     """Before anything is written: no path the run writes is a file it reads (see ``trust.check_no_overwrite``)."""
     read_paths = [input_path] if input_path is not None else []
     read_paths += [source.file.path] if source is not None else []
     read_paths += model.meta.get(INPUT_FILES, [])
-    read_paths += [file for file, _ in _referenced_files(model)]
+    read_paths += [file for file, _ in parts.files]
     reads = {ident: p for p in read_paths if (ident := trust.identity(p)) is not None}
     writes = [target]
     if spill:
         writes.append(folder / (target.name + ".data"))
     elif external_data == "keep":
-        writes += [trust.confined(folder, location) for file, location in _referenced_files(model)
+        writes += [trust.confined(folder, location) for file, location in parts.files
                    if not _same_file(folder / location, file)]
     allowed = set()
     if in_place and input_path is not None and trust.identity(target) == trust.identity(input_path):
@@ -510,45 +539,44 @@ def _check_overwrites(model: ir.Model, target: Path, folder: Path, external_data
     trust.check_no_overwrite(reads, writes + ([report] if report is not None else []), allowed)
 
 
-def _write(model: ir.Model, tmp_model: Path, external_data: str | None, spill: bool, folder: Path,
+def _write(model: ir.Model, parts: _Parts, tmp_model: Path, external_data: str | None, spill: bool, folder: Path,
            source: SourceWeights | None) -> None:
-    for tensor in _main_graph_tensors(model):
+    for tensor in _main_graph_tensors(parts):
         if isinstance(tensor, InlineWeight):
             tensor.check_source()
     if spill:
         ir.save(model, tmp_model, external_data=tmp_model.name + ".data")
         return
-    _write_streamed(model, tmp_model, source)
+    _write_streamed(model, parts, tmp_model, source)
     if external_data == "keep":
         # a hard link would be free, but onnx's checker then rejects both models ("potential hardlink attack")
-        for source_file, location in _referenced_files(model):
+        for source_file, location in parts.files:
             if not _same_file(folder / location, source_file):
                 staged = trust.confined(tmp_model.parent, location)
                 staged.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source_file, staged)
 
 
-def _main_graph_tensors(model: ir.Model):
+def _main_graph_tensors(parts: _Parts):
     """The initializers of every graph and the Constant values of the main graph: where an ``InlineWeight`` can be."""
-    for graph in _all_graphs(model):
+    for graph in parts.graphs:
         if not isinstance(graph, ir.Function):
             yield from (v.const_value for v in graph.initializers.values())
-    yield from (a.value for a in map(_constant_value, model.graph) if a is not None)
+    yield from (attribute.value for _, _, attribute in parts.constants)
 
 
 #: inline initializers and Constant values at least this large are written one by one after the rest of the model
 _STREAMED_BYTES = 1 << 12
 
 
-def _write_streamed(model: ir.Model, path: Path, source: SourceWeights | None) -> None:
+def _write_streamed(model: ir.Model, parts: _Parts, path: Path, source: SourceWeights | None) -> None:
     """Write the model without its large tensors, each one then added as a graph field of its own (see ``wire``):
     initializers at the end, each Constant node holding one in its place among the nodes. A tensor still held as
     read from the input file is copied from that file's bytes; others are serialized one at a time. Either way no
     second copy of all the weights is ever made."""
     graph = model.graph
     streamed = [v for v in graph.initializers.values() if _streamable(v)]
-    constants = [(i, node, attribute) for i, node in enumerate(graph)
-                 if (attribute := _constant_value(node)) is not None and _large(attribute.value)]
+    constants = [(i, node, attribute) for i, node, attribute in parts.constants if _large(attribute.value)]
     # the dict behind graph.initializers, so the values keep their initializer state while left out
     registry = graph.initializers.data
     every = dict(registry)
@@ -657,14 +685,14 @@ def _streamable(value: ir.Value) -> bool:
     return not isinstance(tensor, ir.serde.TensorProtoTensor) or tensor.raw.name == value.name
 
 
-def _inline_bytes(model: ir.Model) -> int:
+def _inline_bytes(parts: _Parts) -> int:
     """The size of the weights the saved proto would carry inline (a protobuf cannot exceed 2 GB)."""
-    return sum(t.nbytes for t in _main_graph_tensors(model) if t is not None and not isinstance(t, ir.ExternalTensor))
+    return sum(t.nbytes for t in _main_graph_tensors(parts) if t is not None and not isinstance(t, ir.ExternalTensor))
 
 
-def _referenced_files(model: ir.Model) -> set[tuple[Path, str]]:
+def _referenced_files(graphs: list[ir.Graph | ir.Function]) -> set[tuple[Path, str]]:
     found = set()
-    for graph in _all_graphs(model):
+    for graph in graphs:
         if isinstance(graph, ir.Function):
             continue
         for value in graph.initializers.values():

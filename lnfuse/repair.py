@@ -22,8 +22,11 @@ def repair(proto: onnx.ModelProto, where: str) -> None:
     _check_ir_version(proto, where)
     for nodes, available, scope in _scopes(proto, where):
         _sort_nodes(nodes, available, scope)
-    _declare_missing_domains(proto)
-    _unknown_negative_dims(proto)
+    # listed once, after sorting (a sort copies the nodes, and the bodies they hold with them); on a graph of a
+    # million nodes each walk of it costs a second
+    graphs = [graph for graph, _ in _graphs(proto.graph, frozenset())]
+    _declare_missing_domains(proto, graphs)
+    _unknown_negative_dims(graphs)
 
 
 def _scopes(proto: onnx.ModelProto, where: str) -> Iterator[tuple[object, set[str], str]]:
@@ -74,11 +77,14 @@ def runtime_max_ir_version() -> int | None:
 def _graphs(graph: onnx.GraphProto, outer: frozenset[str]) -> Iterator[tuple[onnx.GraphProto, frozenset[str]]]:
     """The graph and every If/Loop/Scan body inside it, each with the names its enclosing scopes define."""
     yield graph, outer
-    inner = outer | _names_defined(graph)
+    inner = None
     for node in graph.node:
+        if not node.attribute:  # most nodes have none: testing is a third of the cost of listing them
+            continue
         for attr in node.attribute:
             for sub in _subgraphs_of(attr):
-                yield from _graphs(sub, frozenset(inner))
+                inner = inner if inner is not None else frozenset(outer | _names_defined(graph))
+                yield from _graphs(sub, inner)
 
 
 def _subgraphs_of(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
@@ -132,15 +138,16 @@ def _in_order(nodes, known: set[str]) -> bool:
     """Whether no node reads a name that a node after it produces, in one pass over the protos (each field read
     of a NodeProto costs: a million-node graph is read once here)."""
     early: set[str] = set()  # read before anything defined them: from outside, undefined, or produced later
-    produced: set[str] = set()
     for node in nodes:
-        outputs = node.output
-        early.update(name for name in node.input if name not in known)
+        inputs = node.input
+        if not known.issuperset(inputs):
+            early.update(name for name in inputs if name not in known)
         if node.attribute:
             early.update(name for name in _reads(node) if name not in known)
-        known.update(outputs)
-        produced.update(outputs)
-    return early.isdisjoint(produced)
+        known.update(node.output)
+    # an early name was not known when read, so it is not one of the names given before the first node: it is in
+    # ``known`` now only if a node produced it (at or after its reader)
+    return early.isdisjoint(known)
 
 
 def _label(node: onnx.NodeProto) -> str:
@@ -149,16 +156,17 @@ def _label(node: onnx.NodeProto) -> str:
 
 # -- domains ------------------------------------------------------------------------------------------------------
 
-def _declare_missing_domains(proto: onnx.ModelProto) -> None:
+def _declare_missing_domains(proto: onnx.ModelProto, graphs: list[onnx.GraphProto]) -> None:
     """A node of a domain the model does not import runs in ORT at the latest version ORT knows for that domain
-    (ORT adds the import itself); declare it so, in the model and in each function that uses it."""
+    (ORT adds the import itself); declare it so, in the model and in each function that uses it. ``graphs``: the
+    main graph and the bodies inside it."""
     local = {f.domain for f in proto.functions}
-    scopes = [(proto.opset_import, _model_nodes(proto))] + \
-        [(f.opset_import, _nodes_in(f.node)) for f in proto.functions]
+    scopes = [(proto.opset_import, {n.domain for graph in graphs for n in graph.node})] + \
+        [(f.opset_import, {n.domain for n in _nodes_in(f.node)}) for f in proto.functions]
     latest = None
-    for imports, nodes in scopes:
+    for imports, domains in scopes:
         declared = {"" if i.domain == "ai.onnx" else i.domain for i in imports}
-        missing = {n.domain for n in nodes} - {"", "ai.onnx"} - declared - local
+        missing = domains - {"", "ai.onnx"} - declared - local
         latest = latest if latest is not None or not missing else _runtime_domains()
         for domain in sorted(missing & set(latest or ())):
             imports.append(onnx.helper.make_opsetid(domain, latest[domain]))
@@ -173,10 +181,6 @@ def _runtime_domains() -> dict[str, int]:
     return latest
 
 
-def _model_nodes(proto: onnx.ModelProto) -> list[onnx.NodeProto]:
-    return [node for graph, _ in _graphs(proto.graph, frozenset()) for node in graph.node]
-
-
 def _nodes_in(nodes) -> list[onnx.NodeProto]:
     found = []
     for node in nodes:
@@ -189,13 +193,13 @@ def _nodes_in(nodes) -> list[onnx.NodeProto]:
 
 # -- dims ---------------------------------------------------------------------------------------------------------
 
-def _unknown_negative_dims(proto: onnx.ModelProto) -> None:
+def _unknown_negative_dims(graphs: list[onnx.GraphProto]) -> None:
     """A dim written as -1 (or any negative value) means "unknown" to ORT. It becomes a symbolic dim of its own name
     (valid ONNX with the same meaning), so shape inference can carry it through the graph: a lookup indexed by an
-    input of unknown dims still has the input's dims."""
-    taken = {dim.dim_param for graph, _ in _graphs(proto.graph, frozenset())
+    input of unknown dims still has the input's dims. ``graphs``: the main graph and the bodies inside it."""
+    taken = {dim.dim_param for graph in graphs
              for info in [*graph.input, *graph.output, *graph.value_info] for dim in _dims(info.type)}
-    for graph, _ in _graphs(proto.graph, frozenset()):
+    for graph in graphs:
         for info in [*graph.input, *graph.output, *graph.value_info]:
             for axis, dim in enumerate(_dims(info.type)):
                 if dim.HasField("dim_value") and dim.dim_value < 0:

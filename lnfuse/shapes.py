@@ -87,7 +87,8 @@ def _merge_claims(graph: onnx.GraphProto, claims: _Claims) -> bool:
     per dim, an inferred number or name stays, and only a dim inference left unknown takes the declared one."""
     declared, outputs, subgraphs = claims
     filled = False
-    known = {v.name: v for v in list(graph.value_info) + list(graph.input)}
+    # by name, only when there is a claim to look up (a graph of a million values infers as many)
+    known = {v.name: v for v in list(graph.value_info) + list(graph.input)} if declared else {}
     for name, claim in declared.items():
         value = known.get(name)
         if value is None:
@@ -97,7 +98,7 @@ def _merge_claims(graph: onnx.GraphProto, claims: _Claims) -> bool:
             filled |= _fill(value.type, claim.type)
     for output, claim in zip(graph.output, outputs):
         filled |= _fill(output.type, claim)
-    for sub, sub_claims in zip(_subgraphs(graph), subgraphs):
+    for sub_claims, sub in zip(subgraphs, _subgraphs(graph)):  # no claims: the graph's nodes are not read
         filled |= _merge_claims(sub, sub_claims)
     return filled
 
@@ -130,6 +131,8 @@ def _unknown(dim: onnx.TensorShapeProto.Dimension) -> bool:
 
 def _subgraphs(graph: onnx.GraphProto):
     for node in graph.node:
+        if not node.attribute:  # most nodes have none: testing is a third of the cost of listing them
+            continue
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
                 yield attr.g
@@ -140,17 +143,23 @@ def _subgraphs(graph: onnx.GraphProto):
 def _complete(graph: onnx.GraphProto) -> bool:
     """Every value the graph computes has a known dtype and a shape with every dim a number or a named symbol."""
     verdicts: dict[bytes, bool] = {}  # per distinct type: a graph of a million values has a handful
-    known: dict[str, bool] = {}
-    for info in (*graph.value_info, *graph.output):
-        key = info.type.SerializeToString()
-        if key not in verdicts:
-            verdicts[key] = _complete_type(info.type.tensor_type)
-        known[info.name] = verdicts[key]
+    complete = {""}  # the names whose type is complete (the last entry of a name decides), and no output's
+    for infos in (graph.value_info, graph.output):
+        for info in infos:
+            type_proto = info.type
+            key = type_proto.SerializeToString()
+            verdict = verdicts.get(key)
+            if verdict is None:
+                verdict = verdicts[key] = _complete_type(type_proto.tensor_type)
+            if verdict:
+                complete.add(info.name)
+            elif info.name:
+                complete.discard(info.name)
     subgraph = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
     for node in graph.node:
         if node.attribute and any(a.type in subgraph for a in node.attribute):
             return False
-        if not all(known.get(name, False) for name in node.output if name):
+        if not complete.issuperset(node.output):
             return False
     return True
 

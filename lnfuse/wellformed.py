@@ -12,7 +12,9 @@ import math
 
 import onnx
 import onnx_ir as ir
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError
 
 from lnfuse.errors import InputError
 
@@ -29,8 +31,35 @@ def check(proto: onnx.ModelProto, where: str) -> None:
     if not proto.graph.output:
         raise InputError(f"{where}: the graph has no outputs, so it computes nothing (ONNX Runtime refuses it); "
                          "re-export the model with its outputs")
-    _walk(proto, "model", where)
+    _walk(proto, "model", where, text_checked=_all_text_is_utf8(proto))
     _claims_match_initializers(proto.graph, where)
+
+
+def _all_text_is_utf8(proto: onnx.ModelProto) -> bool:
+    """Whether every string field of the model is UTF-8, checked by protobuf in C: a proto3 copy of onnx's schema
+    refuses to parse text that is not (onnx.proto is proto2, which keeps it as bytes). False does not say where:
+    the walk then reads each field and names it."""
+    schema = descriptor_pb2.FileDescriptorProto()
+    onnx.ModelProto.DESCRIPTOR.file.CopyToProto(schema)
+    package = "lnfuse_utf8_check"
+    schema.name, schema.package, schema.syntax = f"{package}.proto", package, "proto3"
+    schema.ClearField("options")
+    messages = list(schema.message_type)
+    while messages:
+        message = messages.pop()
+        messages.extend(message.nested_type)
+        for field in message.field:
+            field.ClearField("default_value")  # proto3 has none
+            if field.type_name.startswith(".onnx."):
+                field.type_name = f".{package}.{field.type_name[len('.onnx.'):]}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(schema)
+    strict = message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.ModelProto"))
+    try:
+        strict.FromString(proto.SerializeToString())
+    except DecodeError:
+        return False
+    return True
 
 
 def _claims_match_initializers(graph: onnx.GraphProto, where: str) -> None:
@@ -49,7 +78,10 @@ def _claims_match_initializers(graph: onnx.GraphProto, where: str) -> None:
                              f"{['?' if d is None else d for d in declared]}; re-export the model")
 
 
-def _walk(message, path: str, where: str) -> None:
+def _walk(message, path: str, where: str, text_checked: bool) -> None:
+    """Check every field of ``message`` and of the messages in it. ``text_checked``: every string is known to be
+    UTF-8, so a node without attributes, which holds nothing else to check (names, op type, domain, text), is
+    skipped: on a graph of a million nodes, reading each one's fields would take seconds."""
     if isinstance(message, onnx.TensorProto):
         _check_tensor(message, path, where)
         return
@@ -57,12 +89,16 @@ def _walk(message, path: str, where: str) -> None:
         for attr in message.attribute:
             if attr.name in _DTYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT:
                 _data_type(attr.i, f"{path} ({message.op_type}) attribute {attr.name!r}", where, allow_undefined=False)
+    skip_plain_nodes = text_checked and isinstance(message, (onnx.GraphProto, onnx.FunctionProto))
     for field, value in message.ListFields():
         items = value if _repeated(field) else (value,)
         if field.type == FieldDescriptor.TYPE_MESSAGE:
+            plain = skip_plain_nodes and field.name == "node"
             for index, item in enumerate(items):
-                _walk(item, f"{path}.{field.name}" + (f"[{index}]" if len(items) > 1 else ""), where)
-        elif field.type == FieldDescriptor.TYPE_STRING:
+                if plain and not item.attribute:
+                    continue
+                _walk(item, f"{path}.{field.name}" + (f"[{index}]" if len(items) > 1 else ""), where, text_checked)
+        elif field.type == FieldDescriptor.TYPE_STRING and not text_checked:
             _text(items, f"{path}.{field.name}", where)
         elif field.name == "elem_type":
             _data_type(value, f"{path}.elem_type", where, allow_undefined=True)
