@@ -102,7 +102,8 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
 _EMBED = ("com.microsoft", "EmbedLayerNormalization")
 _EMBED_INVERSES = {
     True: _Inverse(embed_norm.reference, ("input_ids", "segment_ids", "word_embedding", "position_embedding",
-                                          "segment_embedding", "gamma", "beta", "position_ids"), frozenset(), (0, None, 1)),
+                                          "segment_embedding", "gamma", "beta", "position_ids"),
+                   frozenset(), (0, None, 1)),
     False: _Inverse(embed_norm.reference_no_segment, ("input_ids", "word_embedding", "position_embedding", "gamma",
                                                       "beta", "position_ids"), frozenset(), (0, None, 1)),
 }
