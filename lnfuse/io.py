@@ -286,14 +286,16 @@ def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
 def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path | None = None) -> Loaded:
     """Read, validate and shape-infer a model; external weights stay on disk. ``base_dir``: the folder a
     ModelProto's external data lies in (by default the working directory, where onnx_ir would read it)."""
-    if isinstance(source, ir.Model):
-        # work on a copy: the caller's model is never modified; external tensors keep pointing at their files
-        base_dir = _one_base_dir(source)
-        source = ir.serde.serialize_model(source)
     lazy: FileWeights | None = None
-    if isinstance(source, onnx.ModelProto):
-        proto, path, where = source, None, "model"
-        proto = onnx.ModelProto.FromString(proto.SerializeToString())
+    if isinstance(source, (ir.Model, onnx.ModelProto)):
+        path, where = None, "model"
+        if isinstance(source, ir.Model):
+            # serializing makes the copy lnfuse works on (the caller's model is never modified); external tensors
+            # keep pointing at their files
+            base_dir = _one_base_dir(source)
+            proto = ir.serde.serialize_model(source)
+        else:
+            proto = onnx.ModelProto.FromString(source.SerializeToString())  # the caller's proto stays as it is
         # external data of a ModelProto is read relative to the working directory, as onnx_ir reads it
         data_files = trust.check_external_data(proto, base_dir or Path.cwd(), where)
     else:
