@@ -104,7 +104,6 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
     stage(0.0, "reading and checking the model")
     with _cycle_collection_paused():
         loaded = io.load(model)
-        folder = anchor(loaded)
         source = str(loaded.path) if loaded.path is not None else "<model>"
         original = ir.serde.serialize_model(loaded.model) if (verify_model or upgrade_opset) else None
         report = _run(loaded, options, source)
@@ -115,7 +114,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
         if verify_model:
             stage(0.85, "running the whole original and fused models")
             report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
-                                                base_dir=folder)
+                                                gate=loaded.gate)
         io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
         mark_model(loaded.model, report, {"target": target, "verify": verify, "only": sorted(only or []),
                                           "skip": sorted(skip or []), "upgrade_opset": upgrade_opset,
@@ -132,28 +131,6 @@ def _unwrapped(model):
     if not isinstance(model, (str, os.PathLike, onnx.ModelProto, ir.Model)) and isinstance(inner, ir.Model):
         return inner
     return model
-
-
-def anchor(loaded: io.Loaded, folder: Path | None = None) -> Path | None:
-    """Resolve once the folder that anchors the model's external data, and point its tensors there: the input's
-    folder (whatever the working directory, now or later), or ``folder`` for a model lnfuse made from the input
-    (the upgraded one, re-read from a proto whose data references are relative). Returns the folder."""
-    if folder is None and loaded.path is not None:
-        folder = loaded.path.parent.resolve()
-    if folder is None:
-        folder = _tensor_folder(loaded.model)
-    if folder is not None and loaded.has_external_data:  # else no tensor reads a file (a walk of every node)
-        ir.external_data.set_base_dir(loaded.model.graph, folder)
-    return folder
-
-
-def _tensor_folder(model: ir.Model) -> Path | None:
-    """Where an in-memory model's external tensors were read from, if they say."""
-    for value in model.graph.initializers.values():
-        tensor = value.const_value
-        if isinstance(tensor, ir.ExternalTensor) and tensor.base_dir:
-            return Path(tensor.base_dir).resolve()
-    return None
 
 
 @contextlib.contextmanager
@@ -210,9 +187,8 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     needed = 23 if any(u.rule == "rms_norm" and u.check == "opset" for u in report.unfused) else 17
     try:
         converted = onnx.version_converter.convert_version(original, needed)
-        folder = anchor(loaded)
-        upgraded = io.load(converted, base_dir=folder)  # the input's data, checked against the input's folder
-        anchor(upgraded, folder)
+        # the input's data, admitted again by a gate at the input's folder
+        upgraded = io.load(converted, base_dir=loaded.gate.folder)
     except Exception as error:  # noqa: BLE001 - the converter raises many types; the report says why
         report.notes.append(f"--upgrade-opset: onnx's version converter could not reach opset {needed} "
                             f"({str(error).splitlines()[0][:200]}); the model keeps its opset")
@@ -223,7 +199,7 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     upgraded_report = _run(upgraded, options, source)
     try:
         check = compare_models(original, ir.serde.serialize_model(upgraded.model), inputs,
-                               base_dir=anchor(loaded), option="--upgrade-opset")
+                               gate=upgraded.gate, option="--upgrade-opset")
     except InputError as error:
         # the upgrade is kept only if the whole model is proven to agree; unproven, the model keeps its opset
         report.notes.append(f"kept opset {loaded.model.opset_imports.get('')}: {error}")

@@ -53,11 +53,10 @@ _INVERSES: dict[tuple[str, str], _Inverse] = {
 
 def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
     """Replace every fused norm op by primitive ONNX ops; returns a ``FuseResult`` whose report lists them."""
-    from lnfuse.api import FuseResult, _op_counts, anchor
+    from lnfuse.api import FuseResult, _op_counts
 
     start = time.perf_counter()
     loaded = io.load(model)
-    anchor(loaded)
     report = Report(source=str(loaded.path or "<model>"), target="onnx", verified=verify_rewrites)
     report.ops_before = _op_counts(loaded.model)
     names = _all_names(loaded.model)

@@ -22,6 +22,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError, Message
 
 from lnfuse import trust, wellformed, wire
+from lnfuse.gate import WEIGHT_ELEMENTS, Gate, GatedTensor, weight_value
 from lnfuse.staging import Staging
 from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
@@ -38,12 +39,13 @@ class Loaded:
     has_external_data: bool = False
     shape_inference_error: str | None = None
     source: SourceWeights | None = None
+    gate: Gate | None = None
 
 
-def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | None, list[Path]]:
+def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | None]:
     """The model without its data: external data stays external, and large inline weights become placeholders that
-    point into the model file (where they lie is returned with it, and the external data files it may read). Or
-    ``InputError`` saying what is wrong with the file."""
+    point into the model file (where they lie is returned with it). Or ``InputError`` saying what is wrong with the
+    file."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file; check the path")
@@ -58,9 +60,7 @@ def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | 
         raise InputError(f"{p}: not a readable ONNX model (truncated or not ONNX: {first}); re-export it") from None
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise InputError(f"{p}: not an ONNX model (no graph or IR version); re-export it")
-    # the model's own external references; lnfuse's placeholders point into the model file itself
-    data_files = trust.check_external_data(proto, p.parent, str(p), lnfuse_made=weights.holds if weights else None)
-    return proto, weights, data_files
+    return proto, weights
 
 
 #: onnx.load's text formats, chosen by file extension like onnx does
@@ -83,8 +83,7 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
     return proto, weights if weights.tensors else None
 
 
-def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Path | None
-             ) -> tuple[onnx.ModelProto, dict[int, onnx.TensorProto]]:
+def validate(proto: onnx.ModelProto, where: str, gate: Gate) -> tuple[onnx.ModelProto, dict[int, onnx.TensorProto]]:
     """Versions, external files, then onnx's checker on the model's skeleton (the weights' bytes are not what
     makes a graph valid, and checking them would cost a full copy). Returns the skeleton, and the Constant nodes
     of ``proto`` holding weights (``_large_constants``), which it holds as inputs."""
@@ -98,7 +97,7 @@ def validate(proto: onnx.ModelProto, where: str, path: Path | None, base_dir: Pa
             raise InputError(f"{where}: opset {imp.version} is newer than this onnx supports ({max_opset}); "
                              "upgrade onnx or re-export at a lower opset")
     constants = _large_constants(proto.graph)  # after repair, which may have put the nodes in another order
-    checked = _skeleton(proto, base_dir, constants)
+    checked = _skeleton(proto, gate, constants)
     declare_output_shapes(proto, checked)  # outputs typed without a shape: ORT reads them as unknown rank
     ort_only = _ort_only_ops(checked)
     # ONNX Runtime's default-domain ops (a model fused with --target ort): everything else is checked
@@ -188,27 +187,15 @@ def _without_ort_only_ops(proto: onnx.ModelProto, ops: set[str]) -> onnx.ModelPr
     return copy
 
 
-#: initializers with more elements than this are weights: their values never decide a shape
-_WEIGHT_ELEMENTS = 1024
-
-
 def _large_constants(graph: onnx.GraphProto) -> dict[int, onnx.TensorProto]:
-    """The Constant nodes holding weights, by position (read op_type first: a big graph has few Constants)."""
+    """The Constant nodes holding weights (onnxscript's code form writes weights so), by position; the skeleton sees
+    them as graph inputs. op_type is read first: a big graph has few Constants."""
     return {i: tensor for i, node in enumerate(graph.node)
-            if node.op_type == "Constant" and (tensor := _large_constant(node)) is not None}
+            if node.op_type == "Constant" and (tensor := weight_value(node)) is not None
+            and math.prod(tensor.dims) > WEIGHT_ELEMENTS}
 
 
-def _large_constant(node: onnx.NodeProto) -> onnx.TensorProto | None:
-    """The tensor of a Constant node of the main graph that holds a weight (onnxscript's code form writes weights
-    so), which the skeleton sees as a graph input."""
-    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
-        return None
-    tensor = next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None)
-    return tensor if tensor is not None and math.prod(tensor.dims) > _WEIGHT_ELEMENTS else None
-
-
-def _skeleton(proto: onnx.ModelProto, base_dir: Path | None, constants: dict[int, onnx.TensorProto]
-              ) -> onnx.ModelProto:
+def _skeleton(proto: onnx.ModelProto, gate: Gate, constants: dict[int, onnx.TensorProto]) -> onnx.ModelProto:
     """The model without its weights: each large initializer, and each Constant node holding a large tensor
     (``constants``), becomes a typed graph input. Shape inference and the structural checks run on this in
     milliseconds instead of copying and serializing gigabytes (ORT's symbolic inference would decode every
@@ -221,16 +208,14 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None, constants: dict[int
     inputs = {v.name for v in graph.input}
     weights = []
     for tensor in graph.initializer:
-        if int(np.prod(tensor.dims)) > _WEIGHT_ELEMENTS:
+        if int(np.prod(tensor.dims)) > WEIGHT_ELEMENTS:
             if tensor.name not in inputs:
                 weights.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
-        elif tensor.data_location == onnx.TensorProto.EXTERNAL and base_dir is not None:
+        elif tensor.data_location == onnx.TensorProto.EXTERNAL:
             # a small constant (a Reshape target, epsilon) stored outside: shape inference needs its value
-            kept.append(_inlined(tensor, base_dir))
-        elif tensor.data_location != onnx.TensorProto.EXTERNAL:
-            kept.append(tensor)
+            kept.append(gate.inline(tensor))
         else:
-            weights.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+            kept.append(tensor)
     skeleton.graph.CopyFrom(onnx.GraphProto(name=graph.name, doc_string=graph.doc_string))
     if constants:
         for i, node in enumerate(graph.node):
@@ -246,20 +231,6 @@ def _skeleton(proto: onnx.ModelProto, base_dir: Path | None, constants: dict[int
     skeleton.graph.value_info.extend(graph.value_info)
     skeleton.graph.initializer.extend(kept)
     return skeleton
-
-
-def _inlined(tensor: onnx.TensorProto, base_dir: Path) -> onnx.TensorProto:
-    """A copy of an external tensor (already checked by ``trust``) with its bytes inline. Read here rather than by
-    onnx's loader, which refuses a location through any link, even one inside the model's folder."""
-    info = {e.key: e.value for e in tensor.external_data}
-    small = onnx.TensorProto()
-    small.CopyFrom(tensor)
-    del small.external_data[:]
-    small.data_location = onnx.TensorProto.DEFAULT
-    with open(base_dir / info["location"], "rb") as file:
-        file.seek(int(info.get("offset", 0)))
-        small.raw_data = file.read(int(info["length"])) if "length" in info else file.read()
-    return small
 
 
 def _one_base_dir(model: ir.Model) -> Path | None:
@@ -284,8 +255,9 @@ def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
 
 
 def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path | None = None) -> Loaded:
-    """Read, validate and shape-infer a model; external weights stay on disk. ``base_dir``: the folder a
-    ModelProto's external data lies in (by default the working directory, where onnx_ir would read it)."""
+    """Read, validate and shape-infer a model; external weights stay on disk, read through the model folder's gate
+    only. ``base_dir``: the folder a ModelProto's external data lies in (by default the working directory, where
+    onnx_ir would read it)."""
     lazy: FileWeights | None = None
     if isinstance(source, (ir.Model, onnx.ModelProto)):
         path, where = None, "model"
@@ -296,17 +268,17 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
             proto = ir.serde.serialize_model(source)
         else:
             proto = onnx.ModelProto.FromString(source.SerializeToString())  # the caller's proto stays as it is
-        # external data of a ModelProto is read relative to the working directory, as onnx_ir reads it
-        data_files = trust.check_external_data(proto, base_dir or Path.cwd(), where)
+        # resolved now: a script that changes directory later still reads from the same folder
+        gate = Gate(base_dir or Path.cwd(), where)
     else:
         path = Path(source)
-        (proto, lazy, data_files), where = read_proto(path), str(path)
+        (proto, lazy), where = read_proto(path), str(path)
+        gate = Gate(path.parent, where)
+    # from here on, the only external references are the main graph's weights, each admitted by the gate
+    gate.admit_all(proto, lnfuse_made=lazy.holds if lazy else None)
     wellformed.check(proto, where)
     _densify_sparse(proto, where)
-    # the trust check listed a file for each external tensor that is not a placeholder of lnfuse's (dense tensors
-    # made from sparse ones are inline)
-    has_external = bool(data_files)
-    skeleton, constants = validate(proto, where, path, path.parent if path is not None else base_dir)
+    skeleton, constants = validate(proto, where, gate)
     declared = _value_info_names(proto.graph, set())
     inferred, error = infer_shapes(skeleton)
     del skeleton  # each copy of the graph is let go as soon as it is not needed: a big graph's peak is its copies
@@ -324,11 +296,11 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     model = ir.serde.deserialize_model(proto)
     _set_types(model.graph, types)
     infer_function_types(model)
-    if has_external and (path is not None or base_dir is not None):
-        ir.external_data.set_base_dir(model.graph, path.parent if path is not None else base_dir)
+    source_weights = attach(model, lazy) if lazy else None
+    has_external = gate.attach(model)
     # absolute: a script may change directory between reading and saving
-    model.meta[INPUT_FILES] = [Path(os.path.abspath(f)) for f in ([path] if path is not None else []) + data_files]
-    return Loaded(model, path, declared, has_external, error, attach(model, lazy) if lazy else None)
+    model.meta[INPUT_FILES] = [Path(os.path.abspath(f)) for f in ([path] if path is not None else []) + gate.files()]
+    return Loaded(model, path, declared, has_external, error, source_weights, gate)
 
 
 #: what the inferred skeleton holds of the full model: its nodes (with the subgraphs' value_info), its outputs, and
@@ -505,18 +477,19 @@ _INLINE_LIMIT = onnx.checker.MAXIMUM_PROTOBUF * 0.9
 class _Parts:
     """Where a model keeps its tensors, found in one walk of its nodes (on a graph of a million nodes each walk
     costs): its graphs (the main one, If/Loop/Scan bodies, functions), the main graph's Constant nodes with a tensor
-    value (position, node, attribute), and the files its external tensors are read from (file, location)."""
+    value (position, node, attribute), and the files its external tensors are read from ((file, location): a
+    tensor read from it)."""
 
     graphs: list[ir.Graph | ir.Function]
     constants: list[tuple[int, ir.Node, ir.Attr]]
-    files: set[tuple[Path, str]]
+    files: dict[tuple[Path, str], ir.ExternalTensor]
 
     @staticmethod
     def of(model: ir.Model) -> _Parts:
         graphs = list(_all_graphs(model))
         constants = [(i, node, attribute) for i, node in enumerate(model.graph)
                      if (attribute := _constant_value(node)) is not None]
-        return _Parts(graphs, constants, _referenced_files(graphs))
+        return _Parts(graphs, constants, _referenced_files(graphs, constants))
 
 
 def _check_overwrites(model: ir.Model, parts: _Parts, target: Path, folder: Path, external_data: str | None,
@@ -552,11 +525,11 @@ def _write(model: ir.Model, parts: _Parts, tmp_model: Path, external_data: str |
     _write_streamed(model, parts, tmp_model, source)
     if external_data == "keep":
         # a hard link would be free, but onnx's checker then rejects both models ("potential hardlink attack")
-        for source_file, location in parts.files:
+        for (source_file, location), tensor in parts.files.items():
             if not _same_file(folder / location, source_file):
                 staged = trust.confined(tmp_model.parent, location)
                 staged.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source_file, staged)
+                _copy_through_gate(tensor, staged)
 
 
 def _main_graph_tensors(parts: _Parts):
@@ -692,16 +665,23 @@ def _inline_bytes(parts: _Parts) -> int:
     return sum(t.nbytes for t in _main_graph_tensors(parts) if t is not None and not isinstance(t, ir.ExternalTensor))
 
 
-def _referenced_files(graphs: list[ir.Graph | ir.Function]) -> set[tuple[Path, str]]:
-    found = set()
-    for graph in graphs:
-        if isinstance(graph, ir.Function):
-            continue
-        for value in graph.initializers.values():
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor):
-                found.add((Path(tensor.base_dir) / tensor.location, str(tensor.location)))
+def _referenced_files(graphs: list[ir.Graph | ir.Function], constants: list[tuple[int, ir.Node, ir.Attr]]
+                      ) -> dict[tuple[Path, str], ir.ExternalTensor]:
+    found = {}
+    tensors = [attribute.value for _, _, attribute in constants]
+    tensors += [v.const_value for g in graphs if not isinstance(g, ir.Function) for v in g.initializers.values()]
+    for tensor in tensors:
+        if isinstance(tensor, ir.ExternalTensor):
+            found[(Path(tensor.base_dir) / tensor.location, str(tensor.location))] = tensor
     return found
+
+
+def _copy_through_gate(tensor: ir.ExternalTensor, target: Path) -> None:
+    """Copy the whole data file ``tensor`` is read from (kept beside a new output), opened by its gate."""
+    if not isinstance(tensor, GatedTensor):
+        raise RuntimeError(f"external tensor {tensor.name!r} was not admitted by a gate (a bug in lnfuse)")
+    with tensor.gate.open(str(tensor.location)) as source, open(target, "wb") as out:
+        shutil.copyfileobj(source, out, 1 << 24)
 
 
 def _same_file(a: Path, b: Path) -> bool:

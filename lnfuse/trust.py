@@ -1,9 +1,8 @@
-"""The trust boundary: a model folder is untrusted input, the command line is trusted.
+"""The trust boundary's shared checks: a model folder is untrusted input, the command line is trusted.
 
-A model names the files it wants read (external data locations). Each one must resolve, links followed, to a file
-inside the model's folder, with a single link, and hold exactly the bytes the tensor declares; anything else is
-refused before a byte of it is read. On the way out, lnfuse never writes through a link out of the output folder and
-never writes over a file it reads (compared by device and inode, not by name).
+What a model asks to read is admitted by ``lnfuse.gate`` (the only reader of a model folder). On the way out,
+lnfuse never writes through a link out of the output folder and never writes over a file it reads (compared by
+device and inode, not by name).
 """
 
 from __future__ import annotations
@@ -11,62 +10,11 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Callable
 
 import onnx
 import onnx_ir as ir
 
 from lnfuse.errors import InputError, OutputError
-
-
-def check_external_data(proto: onnx.ModelProto, base: Path, where: str,
-                        lnfuse_made: Callable[[onnx.TensorProto], bool] | None = None) -> list[Path]:
-    """The files the model's external-data references (in any graph or attribute) name, once each is known to be
-    one it may read. ``lnfuse_made`` tells the placeholders lnfuse put in for weights left in the model file."""
-    from onnx.external_data_helper import _get_all_tensors
-
-    root = os.path.realpath(base)
-    return sorted({external_file(t, base, root, where) for t in _get_all_tensors(proto)
-                   if t.data_location == onnx.TensorProto.EXTERNAL
-                   and not (lnfuse_made is not None and lnfuse_made(t))})
-
-
-def external_file(tensor: onnx.TensorProto, base: Path, root: str, where: str) -> Path:
-    """The file a tensor's external data lies in, once it is known to be inside ``root`` (the real path of the
-    model's folder) and to hold the tensor's bytes where the entry says. Or ``InputError`` naming the tensor."""
-    info = {e.key: e.value for e in tensor.external_data}
-    location = info.get("location", "")
-    said = f"{where}: tensor {tensor.name!r} has external data {location!r}"
-    if not location or "\0" in location:
-        raise InputError(f"{said}: not a file name; re-export the model")
-    if os.path.isabs(location) or location.startswith(("/", "\\")) or ".." in Path(location).parts:
-        raise InputError(f"{said} outside the model's folder; external data must be a relative path inside it "
-                         "(onnx and ONNX Runtime refuse it too)")
-    path = base / location
-    real = os.path.realpath(path)
-    if not _inside(real, root):
-        raise InputError(f"{said}, a link to {real!r} outside the model's folder; copy the file into the folder "
-                         "(cp -L) if you trust it")
-    try:
-        st = os.stat(os.path.join(base, location))  # as readers join it: "w.data/" is not the file w.data
-    except OSError:
-        raise InputError(f"{said}: the file is missing; put it next to the model") from None
-    if not os.path.isfile(real):
-        raise InputError(f"{said}: not a regular file; re-export the model")
-    if st.st_nlink > 1:
-        # another name for these bytes may live anywhere on the file system (a hard link to a secret is as good
-        # as a symbolic one, and cannot be seen through); onnx's checker refuses it as a "potential hardlink attack"
-        raise InputError(f"{said}: the file has {st.st_nlink} hard links; copy it (cp) to a file of its own")
-    offset = _number(info.get("offset", "0"), said, "offset")
-    needed = tensor_bytes(tensor, said)
-    length = _number(info["length"], said, "length") if "length" in info else st.st_size - offset
-    if length != needed:
-        raise InputError(f"{said}: its length {length} is not the {needed} bytes its type and shape need; "
-                         "re-export the model")
-    if offset + length > st.st_size:
-        raise InputError(f"{said}: bytes {offset}..{offset + length} lie past the end of the {st.st_size}-byte "
-                         "file; the file is truncated or not this model's")
-    return path
 
 
 def tensor_bytes(tensor: onnx.TensorProto, said: str) -> int:
@@ -88,13 +36,7 @@ def element_count(dims, said: str) -> int:
     return math.prod(dims)
 
 
-def _number(text: str, said: str, key: str) -> int:
-    if not text.isascii() or not text.isdigit():
-        raise InputError(f"{said}: {key} {text!r} is not a non-negative whole number; re-export the model")
-    return int(text)
-
-
-def _inside(real: str, root: str) -> bool:
+def inside(real: str, root: str) -> bool:
     return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
 
 
@@ -115,7 +57,7 @@ def confined(folder: Path, relative: str | os.PathLike) -> Path:
     if rel.is_absolute() or ".." in rel.parts or "\0" in str(rel):
         raise OutputError(f"{folder}: refusing to write {str(rel)!r}, which is not inside the output folder")
     path = folder / rel
-    if not _inside(os.path.realpath(path.parent), os.path.realpath(folder)):
+    if not inside(os.path.realpath(path.parent), os.path.realpath(folder)):
         raise OutputError(f"{path}: a folder on the way is a link out of the output folder {str(folder)!r}; "
                           "remove the link or choose another output folder")
     return path

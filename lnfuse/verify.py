@@ -13,7 +13,6 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -22,6 +21,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from lnfuse.constants import is_static, static_value
+from lnfuse.gate import Gate, ort_initializers
 from lnfuse.pattern import attr_value
 from lnfuse.rule import Replacement
 
@@ -591,16 +591,19 @@ def compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float) 
     return err, bool(np.all(diff <= atol + rtol * np.abs(expected[finite])))
 
 
-def session(model: onnx.ModelProto | bytes | str, optimize: bool = False, threads: int = 0,
-            data_folder: Path | None = None) -> ort.InferenceSession:
+def session(model: onnx.ModelProto, optimize: bool = False, threads: int = 0,
+            gate: Gate | None = None) -> ort.InferenceSession:
     """An ORT CPU session; graph optimizations off unless asked (so ORT's own fusions do not hide differences).
-    ``threads=0`` lets ORT choose. ``data_folder`` is where an in-memory model's external data lies."""
+    ``threads=0`` lets ORT choose. The model's external weights are read through ``gate`` and given to ORT in
+    memory: ORT never resolves a data location itself (against the working directory, or anywhere)."""
     options = ort.SessionOptions()
-    if data_folder is not None:
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(data_folder))
     options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                         else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     options.log_severity_level = 4
     options.intra_op_num_threads = threads
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
-    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    model, names, arrays = ort_initializers(model, gate)
+    if names:
+        options.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
+    created = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    created.lnfuse_weights = arrays  # ORT reads the arrays' memory for the session's life
+    return created

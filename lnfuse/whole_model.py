@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
 from lnfuse.errors import InputError, UsageError, first_line
+from lnfuse.gate import Gate
 from lnfuse.verify import BUDGET, ID_MOVES, TOLERANCE, compare, dim_size, session
 
 #: sizes tried for the spatial dims of an image (read by a 2-D or 3-D Conv) or a signal (a 1-D Conv), in order: the
@@ -31,8 +31,8 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
     return plan.feeds(plan.attempts()[0], seed)
 
 
-def model_inputs(model: onnx.ModelProto | str, seed: int = 0, option: str = "--verify model",
-                 base_dir: Path | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def model_inputs(model: onnx.ModelProto, seed: int = 0, option: str = "--verify model",
+                 gate: Gate | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(inputs, outputs): inputs the model runs on in ONNX Runtime, built from the graph as a user would, and
     what the model computes on them. Raises ``NoRunnableInputs`` naming ``option`` (what needs them) and the
     inputs to give with ``--inputs FILE.npz``.
@@ -43,7 +43,7 @@ def model_inputs(model: onnx.ModelProto | str, seed: int = 0, option: str = "--v
     lookup ids stay below their table's rows; other integers are 0/1 (a valid mask), floats ~N(0, 1)."""
     plan = _InputPlan(model)
     try:
-        sess, errors = _session(model, base_dir), []
+        sess, errors = _session(model, gate), []
     except Exception as error:  # noqa: BLE001 - ORT raises several types; its message is what the user needs
         raise InputError(f"ONNX Runtime cannot run the original model ({first_line(error)}); {option} needs it: "
                          f"run without {option}") from None
@@ -202,21 +202,21 @@ def _unsqueeze_axes(node: onnx.NodeProto, initializers, rank: int) -> list[int] 
 
 
 def compare_models(original: onnx.ModelProto, fused: onnx.ModelProto, inputs: dict[str, np.ndarray] | None = None,
-                   base_dir: Path | None = None, option: str = "--verify model") -> dict:
+                   gate: Gate | None = None, option: str = "--verify model") -> dict:
     """``{"ok", "summary", "outputs": {name: max_abs_diff}}`` for the two models on the same inputs (``inputs``,
     or ones built by ``model_inputs``; ``option`` names what needs them in the error when none can be built)."""
     if inputs is not None:
         _check_feeds(original, inputs)
         try:
-            feeds, expected = inputs, _outputs(_session(original, base_dir), inputs)
+            feeds, expected = inputs, _outputs(_session(original, gate), inputs)
         except Exception as error:  # noqa: BLE001 - ORT raises several types; its message is what the user needs
             raise InputError(f"ONNX Runtime cannot run the original model on the --inputs arrays "
                              f"({first_line(error)}); {option} needs it: fix the arrays or run without "
                              f"{option}") from None
     else:
-        feeds, expected = model_inputs(original, option=option, base_dir=base_dir)
+        feeds, expected = model_inputs(original, option=option, gate=gate)
     try:
-        actual = _outputs(_session(fused, base_dir), feeds)
+        actual = _outputs(_session(fused, gate), feeds)
     except Exception as error:  # noqa: BLE001
         return {"ok": False, "summary": f"DIFFER; the fused model does not run ({first_line(error)})",
                 "outputs": {}}
@@ -258,10 +258,9 @@ def _tolerance(elem_type: int | None) -> tuple[float, float]:
     return atol * 10, rtol * 10
 
 
-def _session(model: onnx.ModelProto, base_dir: Path | None):
-    # external data locations are relative to the model's folder: ORT reads them from there, and nothing is
-    # written anywhere (the input's folder may be read-only, and is never ours to write)
-    return session(model, data_folder=base_dir)
+def _session(model: onnx.ModelProto, gate: Gate | None):
+    # the model's external weights are read through its folder's gate and handed to ORT in memory
+    return session(model, gate=gate)
 
 
 def _outputs(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
