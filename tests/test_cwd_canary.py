@@ -29,7 +29,8 @@ import pytest
 from onnx.external_data_helper import set_external_data
 
 from normgraphs import Spec, build
-from test_gate_attacks import COMMANDS, Sandbox, leaks, run_both, run_in, seed_cwd, snapshot, working_directory
+from test_gate_attacks import (ATTACKS, COMMANDS, GATE_COMMANDS, Sandbox, leaks, run_both, run_in, seed_cwd,
+                               snapshot, working_directory)
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 
@@ -233,6 +234,21 @@ def test_sample_model_with_external_data(box: Sandbox, restore_cwd, command: str
     assert len(list(box.model.iterdir())) > 5
     _outcome, problems = run_both(box, box.model / "llama.onnx", command, input_loads=True)
     assert not problems, f"{command}:\n  " + "\n  ".join(problems)
+
+
+# ------------------------------------------------------------------------------------------- gate-attack models
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_gate_attack_models_other_commands(box: Sandbox, restore_cwd, attack: str):
+    """The issue-19 attack models (tests/test_gate_attacks.py runs them through the issue's commands) through the
+    remaining ones: explain --json, --external-data single --target onnx, decompose --no-verify."""
+    builder, extra, valid = ATTACKS[attack]
+    model = builder(box)
+    problems = []
+    for command in (c for c in COMMANDS if c not in GATE_COMMANDS):
+        _outcome, found = run_both(box, model, command, input_loads=True if valid else None, extra=extra)
+        problems += [f"{command}: {f}" for f in found]
+    assert not problems, f"{attack}:\n  " + "\n  ".join(problems)
 
 
 # ---------------------------------------------------------------------------------------------- real processes
