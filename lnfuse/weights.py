@@ -37,9 +37,17 @@ class FileWeights:
     tensors: dict[int, wire.PlainTensor]
 
     def holds(self, tensor: onnx.TensorProto) -> bool:
-        """Whether ``tensor`` is the placeholder of one of these weights."""
+        """Whether ``tensor`` is the placeholder of one of these weights: it names the model file at one of their
+        offsets, with that weight's length, type and shape (a tensor of the model's own that names its file so is
+        external data like any other, admitted by the gate)."""
         info = {entry.key: entry.value for entry in tensor.external_data}
-        return info.get("location") == self.file.path.name and int(info.get("offset", -1)) in self.tensors
+        offset = info.get("offset", "")
+        if info.get("location") != self.file.path.name or not offset.isdigit() or int(offset) not in self.tensors:
+            return False
+        stored = self.tensors[int(offset)]
+        header = onnx.TensorProto.FromString(stored.header)
+        return (info.get("length") == str(stored.data[1]) and header.data_type == tensor.data_type
+                and list(header.dims) == list(tensor.dims))
 
 
 class InlineWeight(_core.TensorBase):
