@@ -476,11 +476,11 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
         target = Path(os.path.realpath(target))  # rewrite the file the link names, keep the link
     folder = target.parent if str(target.parent) else Path(".")
     report_path = Path(report[0]) if report is not None else None
-    for where in [folder] + ([report_path.parent if str(report_path.parent) else Path(".")] if report else []):
-        if not where.is_dir():
-            raise OutputError(f"{target}: folder {str(where)!r} does not exist; create it first")
-        if not os.access(where, os.W_OK):
-            raise OutputError(f"{target}: folder {str(where)!r} is not writable; choose another output path")
+    trust.check_folder(folder, target)
+    trust.check_destination(target)
+    if report_path is not None:
+        trust.check_folder(report_path.parent if str(report_path.parent) else Path("."), report_path)
+        trust.check_destination(report_path)
     parts = _Parts.of(model)
     # weights that go to ``<output>.data``: asked for, or too many to stay inline
     spill = external_data == "single" or _inline_bytes(parts) > _INLINE_LIMIT
@@ -534,6 +534,8 @@ def _check_overwrites(model: ir.Model, parts: _Parts, target: Path, folder: Path
     elif external_data == "keep":
         writes += [trust.confined(folder, location) for file, location in parts.files
                    if not _same_file(folder / location, file)]
+    for path in writes[1:]:
+        trust.check_destination(path)
     allowed = set()
     if in_place and input_path is not None and trust.identity(target) == trust.identity(input_path):
         # the input model is replaced as asked, and so may be the data file its replacement writes

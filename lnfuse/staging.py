@@ -60,9 +60,13 @@ class Staging:
                 moves.append((file, trust.confined(folder, file.relative_to(temp))))
         moves.sort(key=lambda move: os.path.realpath(move[1]) == os.path.realpath(last))
         for _, final in moves:
+            # checked before the run wrote anything; again here, since the rename is what would replace a
+            # device or FIFO put there meanwhile, and before the first rename, so that a refusal renames nothing
+            trust.check_destination(final)
             final.parent.mkdir(parents=True, exist_ok=True)
         for file, final in moves:
             trust.confined(final.parent, final.name)  # a folder made a link meanwhile is still caught
+            trust.check_destination(final)
             os.replace(file, final)
 
     def close(self) -> None:
@@ -95,3 +99,4 @@ def remove_stale(folder: Path) -> None:
                 shutil.rmtree(entry.path)
             finally:
                 os.close(fd)
+
