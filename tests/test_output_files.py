@@ -255,3 +255,32 @@ def test_a_device_put_in_place_after_the_check_is_not_renamed_over(tmp_path: Pat
             staging.commit(last=tmp_path / "o.onnx")
     assert stat.S_ISFIFO(os.lstat(tmp_path / "o.onnx").st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.onnx"], "no data file without its model, no staging"
+
+
+@pytest.mark.parametrize("owner", ("fifo", "link_to_fifo", "link_to_dev_null", "socket"))
+def test_a_staging_leftover_whose_owner_file_is_special_is_skipped_without_blocking(sandbox: Path, owner: str):
+    """A folder shipped with the model, named like a dead run's staging folder: its owner file is never opened
+    unless it is a regular file (opening a FIFO for reading blocks until a writer comes). Run as a process with a
+    timeout, so that a regression fails instead of hanging the suite."""
+    leftover = sandbox / "model" / ".0123456789ab.lnfuse-tmp"
+    leftover.mkdir()
+    _special(owner, leftover / ".lnfuse-owner", sandbox)
+    model = sandbox / "model" / "model.onnx"
+    before = _tree(sandbox / "model")
+    proc = _cli(model, "-o", sandbox / "model" / "fused.onnx", "-q", timeout=120)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    ort.InferenceSession(str(sandbox / "model" / "fused.onnx"), providers=["CPUExecutionProvider"])
+    after = _tree(sandbox / "model")
+    assert after.pop(str(sandbox / "model" / "fused.onnx"))
+    assert after == before, "the leftover is not lnfuse's to remove: kept as it was"
+
+
+def test_the_owner_file_of_a_dead_run_is_still_recognised(sandbox: Path):
+    """The same leftover with a regular owner file whose lock is free (its run was killed) is removed."""
+    leftover = sandbox / "out" / ".0123456789ab.lnfuse-tmp"
+    leftover.mkdir()
+    (leftover / ".lnfuse-owner").write_bytes(b"lnfuse staging folder\n")
+    (leftover / "o.onnx").write_bytes(b"half")
+    code = main([str(sandbox / "model" / "model.onnx"), "-o", str(sandbox / "out" / "o.onnx"), "-q"])
+    assert code == 0
+    assert sorted(p.name for p in (sandbox / "out").iterdir()) == ["o.onnx"]
