@@ -284,3 +284,93 @@ def test_the_owner_file_of_a_dead_run_is_still_recognised(sandbox: Path):
     code = main([str(sandbox / "model" / "model.onnx"), "-o", str(sandbox / "out" / "o.onnx"), "-q"])
     assert code == 0
     assert sorted(p.name for p in (sandbox / "out").iterdir()) == ["o.onnx"]
+
+
+# --in-place on a model whose external data lies in the model file itself
+
+
+def _check_same_numbers(output: Path, expected: list[np.ndarray], feeds: dict[str, np.ndarray]) -> None:
+    for got, want in zip(_outputs(output, feeds), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("constant", (False, True))
+@pytest.mark.parametrize("layout", ([], ["--external-data", "single"]))
+@pytest.mark.parametrize("command", ("fuse", "decompose"))
+def test_in_place_keeps_the_weights_that_lie_in_the_model_file(tmp_path: Path, capsys, layout: list,
+                                                               command: str, constant: bool):
+    model = _self_contained(tmp_path / "m.onnx", constant=constant)
+    feeds = _random_feeds(model)
+    expected = _outputs(model, feeds)  # ONNX Runtime reads the weights from inside the file
+    args = ["decompose"] * (command == "decompose") + [model, "-o", model, "--in-place", "-q"]
+    if command == "decompose" and layout:
+        pytest.skip("decompose has no --external-data")
+    code, err = _run(capsys, *args, *layout)
+    assert code == 0, err
+    _check_same_numbers(model, expected, feeds)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["m.onnx"] + ["m.onnx.data"] * bool(layout)
+    if command == "fuse":
+        assert [n.op_type for n in onnx.load(model, load_external_data=False).graph.node] == ["LayerNormalization"]
+
+
+def test_in_place_through_a_data_link_to_the_model_file(tmp_path: Path, capsys):
+    """The location is another name (a link inside the folder) for the model file: the same file by device and
+    inode, so its bytes are read before it is replaced."""
+    model = _self_contained(tmp_path / "m.onnx", location="alias.bin")
+    (tmp_path / "alias.bin").symlink_to("m.onnx")
+    feeds = _random_feeds(model)
+    expected = _outputs(model, feeds)
+    code, err = _run(capsys, model, "-o", model, "--in-place", "-q")
+    assert code == 0, err
+    _check_same_numbers(model, expected, feeds)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alias.bin", "m.onnx"]
+
+
+def test_a_new_model_named_like_the_data_file_it_would_copy(tmp_path: Path, capsys):
+    """To another folder under the input's name: the kept data file (the input model file) and the new model
+    would be one file; the weights are written inline instead of refusing or writing a broken model."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    model = _self_contained(tmp_path / "in" / "m.onnx")
+    feeds = _random_feeds(model)
+    expected = _outputs(model, feeds)
+    before = _tree(tmp_path / "in")
+    code, err = _run(capsys, model, "-o", tmp_path / "out" / "m.onnx", "-q")
+    assert code == 0, err
+    _check_same_numbers(tmp_path / "out" / "m.onnx", expected, feeds)
+    assert _tree(tmp_path / "in") == before
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.onnx"]
+
+
+def test_beside_the_input_under_another_name_the_input_stays_whole(tmp_path: Path, capsys):
+    """Not in place: the new model may go on reading the weights from the input file, which is not replaced."""
+    model = _self_contained(tmp_path / "m.onnx")
+    feeds = _random_feeds(model)
+    expected = _outputs(model, feeds)
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    code, err = _run(capsys, model, "-o", tmp_path / "fused.onnx", "-q")
+    assert code == 0, err
+    _check_same_numbers(tmp_path / "fused.onnx", expected, feeds)
+    assert hashlib.sha256(model.read_bytes()).hexdigest() == digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.onnx", "m.onnx"]
+
+
+def test_in_place_as_a_process(tmp_path: Path):
+    model = _self_contained(tmp_path / "m.onnx")
+    feeds = _random_feeds(model)
+    expected = _outputs(model, feeds)
+    proc = _cli(model, "-o", model, "--in-place", "-q")
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    _check_same_numbers(model, expected, feeds)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_output_over_the_input_without_in_place_is_still_refused(tmp_path: Path, capsys):
+    model = _self_contained(tmp_path / "m.onnx")
+    (tmp_path / "link.onnx").symlink_to("m.onnx")
+    before = _tree(tmp_path)
+    for output in (model, tmp_path / "link.onnx"):
+        code, err = _run(capsys, model, "-o", output, "-q")
+        _refused(code, err, "overwrite the input", "--in-place")
+    assert _tree(tmp_path) == before
