@@ -472,8 +472,9 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
     target = Path(path)
     if input_path is not None and not in_place and _same_file(target, input_path):
         raise OutputError(f"{target}: the output would overwrite the input; choose another path or pass --in-place")
-    if in_place and target.is_symlink():
-        target = Path(os.path.realpath(target))  # rewrite the file the link names, keep the link
+    if in_place and target.is_symlink() and input_path is not None and _same_file(target, input_path):
+        # rewrite the file the link names, keep the link; any other link is replaced like any output
+        target = Path(os.path.realpath(target))
     folder = target.parent if str(target.parent) else Path(".")
     report_path = Path(report[0]) if report is not None else None
     trust.check_folder(folder, target)

@@ -374,3 +374,15 @@ def test_output_over_the_input_without_in_place_is_still_refused(tmp_path: Path,
         code, err = _run(capsys, model, "-o", output, "-q")
         _refused(code, err, "overwrite the input", "--in-place")
     assert _tree(tmp_path) == before
+
+
+def test_in_place_follows_only_a_link_to_the_input(sandbox: Path, capsys):
+    """--in-place allows replacing the input, nothing else: an output link to another file is replaced like any
+    output link, not followed to the file it names."""
+    victim = sandbox / "victim.onnx"
+    victim.write_bytes(b"precious")
+    (sandbox / "out" / "o.onnx").symlink_to(victim)
+    code, err = _run(capsys, sandbox / "model" / "model.onnx", "-o", sandbox / "out" / "o.onnx", "--in-place", "-q")
+    assert code == 0, err
+    assert victim.read_bytes() == b"precious" and not (sandbox / "out" / "o.onnx").is_symlink()
+    ort.InferenceSession(str(sandbox / "out" / "o.onnx"), providers=["CPUExecutionProvider"])
