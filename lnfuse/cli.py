@@ -118,6 +118,17 @@ def _progress(fraction: float, label: str) -> None:
     sys.stderr.flush()
 
 
+def _check_outputs(*paths: str | None) -> None:
+    """Refuse an output path that cannot be written (a missing folder, a folder, a device, FIFO or socket) before
+    the model is read: fusing a large model takes a while. Saving checks every path again when it writes."""
+    from lnfuse import trust
+
+    for text in filter(None, paths):
+        path = Path(text)
+        trust.check_folder(path.parent, path)
+        trust.check_destination(path)
+
+
 def _run(command: str, args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -126,6 +137,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
     # and a later lnfuse.decompose(...) in the same process would call a module
     from lnfuse import decompose
 
+    _check_outputs(getattr(args, "output", None), getattr(args, "report", None), getattr(args, "annotate", None))
     if command == "decompose":
         result = decompose(args.model, verify_rewrites=not args.no_verify)
         result.save(args.output, in_place=args.in_place)
@@ -133,10 +145,6 @@ def _run(command: str, args: argparse.Namespace) -> int:
             print(result.report.summary())
             print(f"wrote {args.output}")
         return 0
-    if getattr(args, "report", None):
-        folder = Path(args.report).resolve().parent
-        if not folder.is_dir():
-            raise UsageError(f"--report {args.report}: folder '{folder}' does not exist; create it first")
     inputs = None
     if getattr(args, "inputs", None):
         try:

@@ -444,16 +444,19 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
     target = Path(path)
     if input_path is not None and not in_place and _same_file(target, input_path):
         raise OutputError(f"{target}: the output would overwrite the input; choose another path or pass --in-place")
-    if in_place and target.is_symlink():
-        target = Path(os.path.realpath(target))  # rewrite the file the link names, keep the link
+    if in_place and target.is_symlink() and input_path is not None and _same_file(target, input_path):
+        # rewrite the file the link names, keep the link; any other link is replaced like any output
+        target = Path(os.path.realpath(target))
     folder = target.parent if str(target.parent) else Path(".")
     report_path = Path(report[0]) if report is not None else None
-    for where in [folder] + ([report_path.parent if str(report_path.parent) else Path(".")] if report else []):
-        if not where.is_dir():
-            raise OutputError(f"{target}: folder {str(where)!r} does not exist; create it first")
-        if not os.access(where, os.W_OK):
-            raise OutputError(f"{target}: folder {str(where)!r} is not writable; choose another output path")
+    trust.check_folder(folder, target)
+    trust.check_destination(target)
+    if report_path is not None:
+        trust.check_folder(report_path.parent if str(report_path.parent) else Path("."), report_path)
+        trust.check_destination(report_path)
     parts = _Parts.of(model)
+    if external_data == "keep" and _hold_replaced(parts, target, folder):
+        parts = _Parts.of(model)
     # weights that go to ``<output>.data``: asked for, or too many to stay inline
     spill = external_data == "single" or _inline_bytes(parts) > _INLINE_LIMIT
     _check_overwrites(model, parts, target, folder, external_data, spill, input_path, in_place, source, report_path)
@@ -507,11 +510,59 @@ def _check_overwrites(model: ir.Model, parts: _Parts, target: Path, folder: Path
     elif external_data == "keep":
         writes += [trust.confined(folder, location) for file, location in parts.files
                    if not _same_file(folder / location, file)]
+    for path in writes[1:]:
+        trust.check_destination(path)
     allowed = set()
     if in_place and input_path is not None and trust.identity(target) == trust.identity(input_path):
         # the input model is replaced as asked, and so may be the data file its replacement writes
         allowed = {trust.identity(p) for p in writes} - {None}
     trust.check_no_overwrite(reads, writes + ([report] if report is not None else []), allowed)
+
+
+def _hold_replaced(parts: _Parts, target: Path, folder: Path) -> bool:
+    """Read into memory every external tensor whose bytes lie in the file this run replaces, so that it is written
+    inline. A model may keep its external data in the model file itself (location = its own name): rewriting that
+    file (``--in-place``), or writing a new model under that name beside a copy of it, would leave references into
+    a layout that is gone. Compared by device and inode: a link inside the folder to the model file is the file.
+    Returns whether any was (``parts`` then holds tensors that are gone from the model)."""
+    replaced = trust.identity(target)
+    destination = _destination_key(target)
+
+    def held(tensor: ir.TensorProtocol | None) -> ir.TensorProtocol | None:
+        """The tensor in memory if its file is replaced, else None."""
+        if not isinstance(tensor, ir.ExternalTensor):
+            return None
+        source = Path(tensor.base_dir) / tensor.location
+        if (replaced is not None and trust.identity(source) == replaced) \
+                or _destination_key(folder / tensor.location) == destination:
+            return _in_memory(tensor)
+        return None
+
+    changed = False
+    for graph in parts.graphs:
+        values = graph.initializers.values() if not isinstance(graph, ir.Function) else ()
+        for value in values:
+            if (tensor := held(value.const_value)) is not None:
+                value.const_value, changed = tensor, True
+        for node in graph:
+            for name, attribute in list(node.attributes.items()) if node.attributes else ():
+                if attribute.type == ir.AttributeType.TENSOR and (tensor := held(attribute.value)) is not None:
+                    node.attributes[name] = ir.AttrTensor(name, tensor, doc_string=attribute.doc_string)
+                    changed = True
+    return changed
+
+
+def _destination_key(path: Path) -> str:
+    """A path as the rename will see it: its folder's real path and its own name (a link there is replaced)."""
+    return os.path.join(os.path.realpath(path.parent), path.name)
+
+
+def _in_memory(tensor: ir.ExternalTensor) -> ir.Tensor:
+    """The tensor's values copied out of its file (the file is about to be replaced), its name and doc kept."""
+    values = tensor.numpy().copy()
+    tensor.release()
+    return ir.Tensor(values, dtype=tensor.dtype, name=tensor.name, doc_string=tensor.doc_string,
+                     metadata_props=dict(tensor.metadata_props) or None)
 
 
 def _write(model: ir.Model, parts: _Parts, tmp_model: Path, external_data: str | None, spill: bool, folder: Path,

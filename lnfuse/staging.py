@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 from lnfuse import trust
@@ -60,9 +61,13 @@ class Staging:
                 moves.append((file, trust.confined(folder, file.relative_to(temp))))
         moves.sort(key=lambda move: os.path.realpath(move[1]) == os.path.realpath(last))
         for _, final in moves:
+            # checked before the run wrote anything; again here, since the rename is what would replace a
+            # device or FIFO put there meanwhile, and before the first rename, so that a refusal renames nothing
+            trust.check_destination(final)
             final.parent.mkdir(parents=True, exist_ok=True)
         for file, final in moves:
             trust.confined(final.parent, final.name)  # a folder made a link meanwhile is still caught
+            trust.check_destination(final)
             os.replace(file, final)
 
     def close(self) -> None:
@@ -87,7 +92,9 @@ def remove_stale(folder: Path) -> None:
         with contextlib.suppress(OSError):
             if entry.stat(follow_symlinks=False).st_uid != os.getuid():
                 continue
-            fd = os.open(os.path.join(entry.path, _OWNER), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = _open_owner(os.path.join(entry.path, _OWNER))
+            if fd is None:
+                continue
             try:
                 if os.read(fd, len(_OWNER_TEXT)) != _OWNER_TEXT:
                     continue
@@ -95,3 +102,17 @@ def remove_stale(folder: Path) -> None:
                 shutil.rmtree(entry.path)
             finally:
                 os.close(fd)
+
+
+def _open_owner(path: str) -> int | None:
+    """The owner file of a folder that may be a dead run's, open for reading; None if it is anything but a regular
+    file. The folder may come from anywhere (unpacked with the model): opening a FIFO for reading blocks until a
+    writer comes, forever, and opening a device can act on it, so nothing but a regular file is opened, and that
+    without following a link or waiting (the fstat catches a swap between the lstat and the open)."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
