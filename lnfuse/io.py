@@ -455,7 +455,7 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
         trust.check_folder(report_path.parent if str(report_path.parent) else Path("."), report_path)
         trust.check_destination(report_path)
     parts = _Parts.of(model)
-    if external_data == "keep" and _hold_replaced(parts, target, folder):
+    if external_data == "keep" and _hold_replaced(model, parts, target, folder):
         parts = _Parts.of(model)
     # weights that go to ``<output>.data``: asked for, or too many to stay inline
     spill = external_data == "single" or _inline_bytes(parts) > _INLINE_LIMIT
@@ -519,12 +519,13 @@ def _check_overwrites(model: ir.Model, parts: _Parts, target: Path, folder: Path
     trust.check_no_overwrite(reads, writes + ([report] if report is not None else []), allowed)
 
 
-def _hold_replaced(parts: _Parts, target: Path, folder: Path) -> bool:
+def _hold_replaced(model: ir.Model, parts: _Parts, target: Path, folder: Path) -> bool:
     """Read into memory every external tensor whose bytes lie in the file this run replaces, so that it is written
     inline. A model may keep its external data in the model file itself (location = its own name): rewriting that
     file (``--in-place``), or writing a new model under that name beside a copy of it, would leave references into
     a layout that is gone. Compared by device and inode: a link inside the folder to the model file is the file.
-    Returns whether any was (``parts`` then holds tensors that are gone from the model)."""
+    Only the main graph's weights can still be external (the gate read everything else at load). Returns whether
+    any was (``parts`` then holds tensors that are gone from the model)."""
     replaced = trust.identity(target)
     destination = _destination_key(target)
 
@@ -539,16 +540,13 @@ def _hold_replaced(parts: _Parts, target: Path, folder: Path) -> bool:
         return None
 
     changed = False
-    for graph in parts.graphs:
-        values = graph.initializers.values() if not isinstance(graph, ir.Function) else ()
-        for value in values:
-            if (tensor := held(value.const_value)) is not None:
-                value.const_value, changed = tensor, True
-        for node in graph:
-            for name, attribute in list(node.attributes.items()) if node.attributes else ():
-                if attribute.type == ir.AttributeType.TENSOR and (tensor := held(attribute.value)) is not None:
-                    node.attributes[name] = ir.AttrTensor(name, tensor, doc_string=attribute.doc_string)
-                    changed = True
+    for value in model.graph.initializers.values():
+        if (tensor := held(value.const_value)) is not None:
+            value.const_value, changed = tensor, True
+    for _, node, attribute in parts.constants:
+        if (tensor := held(attribute.value)) is not None:
+            node.attributes["value"] = ir.AttrTensor("value", tensor, doc_string=attribute.doc_string)
+            changed = True
     return changed
 
 
