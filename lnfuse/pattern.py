@@ -18,6 +18,7 @@ Semantics:
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Iterator, Mapping, Sequence
@@ -29,32 +30,57 @@ from lnfuse import algebra
 COMMUTATIVE = frozenset({"Add", "Mul"})
 
 
+@dataclass(frozen=True, eq=False)
+class Trail:
+    """Nodes a match covered, newest first, shared with the match it grew from: adding is O(1) whatever the size
+    (a match over a chain of a million sign flips grows one node at a time, and copying would make it quadratic).
+    ``nodes`` is one node, a sequence of nodes, or another trail (what a chain of views read)."""
+
+    nodes: "ir.Node | Sequence[ir.Node] | Trail"
+    older: "Trail | None" = None
+
+
 @dataclass(frozen=True)
 class Match:
     """Bindings found by a pattern: named values, named nodes, and every node the pattern covered (the region)."""
 
     values: Mapping[str, ir.Value] = field(default_factory=dict)
     named_nodes: Mapping[str, ir.Node] = field(default_factory=dict)
-    nodes: tuple[ir.Node, ...] = ()
+    trail: Trail | None = None
     #: numbers the normal form found (exponents, coefficients), for the rule's checks
     facts: Mapping[str, object] = field(default_factory=dict)
     #: what the pass already worked out about the (unchanging) graph; not a binding
     cache: algebra.Cache | None = field(default=None, compare=False, repr=False)
 
+    @functools.cached_property
+    def nodes(self) -> tuple[ir.Node, ...]:
+        """The region: every node covered, once each, in the order the pattern first met them."""
+        seen: dict[ir.Node, None] = {}
+        stack: list = [self.trail]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, Trail):
+                stack.extend((item.nodes, item.older))  # the older entries come out first
+            elif isinstance(item, ir.Node):
+                seen.setdefault(item)
+            elif item is not None:
+                stack.extend(reversed(item))
+        return tuple(seen)
+
     def bind(self, name: str, value: ir.Value) -> "Match":
-        return Match({**self.values, name: value}, self.named_nodes, self.nodes, self.facts, self.cache)
+        return Match({**self.values, name: value}, self.named_nodes, self.trail, self.facts, self.cache)
 
     def add_node(self, node: ir.Node, name: str | None) -> "Match":
         named = {**self.named_nodes, name: node} if name and name not in self.named_nodes else self.named_nodes
-        nodes = self.nodes if node in self.nodes else self.nodes + (node,)
-        return Match(self.values, named, nodes, self.facts, self.cache)
+        return Match(self.values, named, Trail(node, self.trail), self.facts, self.cache)
 
-    def add_nodes(self, nodes: Sequence[ir.Node]) -> "Match":
-        new = tuple(n for n in nodes if n not in self.nodes)
-        return Match(self.values, self.named_nodes, self.nodes + new, self.facts, self.cache) if new else self
+    def add_nodes(self, nodes: "Sequence[ir.Node] | Trail | None") -> "Match":
+        if not nodes:
+            return self
+        return Match(self.values, self.named_nodes, Trail(nodes, self.trail), self.facts, self.cache)
 
     def with_fact(self, name: str, value: object) -> "Match":
-        return Match(self.values, self.named_nodes, self.nodes, {**self.facts, name: value}, self.cache)
+        return Match(self.values, self.named_nodes, self.trail, {**self.facts, name: value}, self.cache)
 
     def fact(self, name: str, default: object = None) -> object:
         return self.facts.get(name, default)
@@ -260,14 +286,19 @@ def _assign_factors(pattern: list, factors: list, m: Match, coef: float) -> Iter
                     yield from _assign_factors(rest, factors[:i] + factors[i + 1:], twinned, coef * c)
 
 
+#: how many scalings and powers a factor is seen through: real spellings take a few (Sqrt, Reciprocal, a 1/N); past
+#: this a chain of a million sign flips in front of a norm would be walked again from every point of it
+_MAX_VIEWS = 16
+
+
 def _views(value: ir.Value, exponent: Fraction,
-           cache: algebra.Cache | None) -> Iterator[tuple[ir.Value, Fraction, tuple, float]]:
+           cache: algebra.Cache | None) -> Iterator[tuple[ir.Value, Fraction, Trail | None, float]]:
     """``value ** exponent``, then the same seen through the scalings and powers that compute value
     (``Sqrt(v)**-1`` is ``v**-0.5``, ``(ReduceSum(x) / N)**2`` is ``N**-2 * ReduceSum(x)**2``) where the chain was
     not expanded because an intermediate is read elsewhere. Yields (base, exponent, nodes, coefficient)."""
-    nodes: tuple = ()
+    nodes: Trail | None = None
     coef = 1.0
-    while True:
+    for _ in range(_MAX_VIEWS):
         yield value, exponent, nodes, coef
         view = algebra.power_view(value, cache.static if cache is not None else None)
         if view is None or not algebra.power_ok(view[1], exponent):
@@ -276,7 +307,7 @@ def _views(value: ir.Value, exponent: Fraction,
         if exponent.denominator != 1 and c <= 0:
             return
         coef *= float(c ** float(exponent)) if exponent.denominator != 1 else float(Fraction(c) ** exponent)
-        value, exponent, nodes = base, p * exponent, nodes + (node,)
+        value, exponent, nodes = base, p * exponent, Trail(node, nodes)
 
 
 def _match_twins(leaf: Pattern, twins: tuple, m: Match) -> Iterator[Match]:
