@@ -131,7 +131,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
         result = decompose(args.model, verify_rewrites=not args.no_verify)
         result.save(args.output, in_place=args.in_place)
         if not args.quiet:
-            print(result.report.summary())
+            print(result.report.summary(decompose=True))
             print(f"wrote {args.output}")
         return 0
     if getattr(args, "report", None):

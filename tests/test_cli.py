@@ -242,6 +242,13 @@ def test_decompose_command(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     ops = {n.op_type for n in onnx.load(plain).graph.node}
     assert "ReduceMean" in ops and not ops & {"LayerNormalization", "SkipLayerNormalization"}
+    # the summary says what was decomposed, not what was fused
+    table = proc.stdout[proc.stdout.index("decomposed op"):].splitlines()
+    assert table[1].split()[:2] == ["EmbedLayerNormalization", "1"]
+    assert table[2].split()[:2] == ["SkipLayerNormalization", "4"]
+    assert "fused: nothing" not in proc.stdout
+    again = lnfuse("decompose", str(plain), "-o", str(tmp_path / "again.onnx"))
+    assert again.returncode == 0 and "decomposed: nothing" in again.stdout and "fused" not in again.stdout
 
 
 def _split_external(model: onnx.ModelProto, folder: Path, weights: set[str]) -> Path:
