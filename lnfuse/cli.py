@@ -1,4 +1,4 @@
-"""The ``lnfuse`` command.
+"""The lnfuse command.
 
     lnfuse model.onnx -o fused.onnx [options]     fuse (the default command)
     lnfuse explain model.onnx                     every candidate, fused or not, and why
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "fuse"
     if command == "fuse" and argv and argv[0] in ("-h", "--help") and len(argv) == 1:
-        print(__doc__.strip())
+        print(__doc__.strip())  # shown as it is: plain text, no markup
     args = _parser(command).parse_args(argv)
     try:
         return _run(command, args)

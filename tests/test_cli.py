@@ -235,6 +235,13 @@ def test_nothing_but_the_output_is_written(tmp_path: Path):
     assert sorted(p.name for p in work.iterdir()) == ["out.onnx"]
 
 
+@pytest.mark.parametrize("command", ["", "explain", "decompose", "check"])
+def test_help_is_plain_text(command: str):
+    proc = lnfuse(*([command] if command else []), "--help")
+    assert proc.returncode == 0 and "usage: lnfuse" in proc.stdout
+    assert "`" not in proc.stdout, "no reStructuredText/Markdown markup in what a terminal shows"
+
+
 def test_decompose_command(tmp_path: Path):
     fused, plain = tmp_path / "f.onnx", tmp_path / "p.onnx"
     assert lnfuse(str(SAMPLES / "bert_tiny_dynamo_op18.onnx"), "-o", str(fused), "-q").returncode == 0
