@@ -11,12 +11,15 @@ from lnfuse.provenance import mark_candidates
 from lnfuse.report import Report
 
 
-def write_annotated(source: str | os.PathLike, report: Report, output: str | os.PathLike) -> int:
+def write_annotated(source: str | os.PathLike, report: Report, output: str | os.PathLike,
+                    report_file: str | os.PathLike | None = None) -> int:
     """Read ``source`` again (the report's run rewrote its own copy), label its candidates' nodes from ``report``
-    and write it like any output: atomically, weights copied byte for byte. Returns the nodes labelled."""
+    and write it like any output: atomically, weights copied byte for byte, and ``report`` as JSON to
+    ``report_file`` if given (renamed into place with the copy). Returns the nodes labelled."""
     loaded = io.load(source)
     labelled = mark_candidates(loaded.model, report, {scope.path: scope.graph for scope in scopes(loaded.model)})
     io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
     io.save(loaded.model, output, external_data="keep" if loaded.has_external_data else None,
-            input_path=loaded.path, source=loaded.source)
+            input_path=loaded.path, source=loaded.source,
+            report=(report_file, report.to_json()) if report_file is not None else None)
     return labelled

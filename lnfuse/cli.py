@@ -1,4 +1,4 @@
-"""The ``lnfuse`` command.
+"""The lnfuse command.
 
     lnfuse model.onnx -o fused.onnx [options]     fuse (the default command)
     lnfuse explain model.onnx                     every candidate, fused or not, and why
@@ -68,6 +68,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
     if command == "explain":
         parser.add_argument("--annotate", metavar="OUT.onnx", help="also write a copy of the model (weights "
                             "unchanged) whose candidate nodes say why they were left unfused, for Netron")
+        parser.add_argument("--report", metavar="FILE", help="also write the report as JSON (what --json prints)")
     if command == "fuse":
         parser.add_argument("--version", action=_Version)
         parser.add_argument("-o", "--output", required=True, help="where to write the fused model")
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "fuse"
     if command == "fuse" and argv and argv[0] in ("-h", "--help") and len(argv) == 1:
-        print(__doc__.strip())
+        print(__doc__.strip())  # shown as it is: plain text, no markup
     args = _parser(command).parse_args(argv)
     try:
         return _run(command, args)
@@ -142,7 +143,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
         result = decompose(args.model, verify_rewrites=not args.no_verify)
         result.save(args.output, in_place=args.in_place)
         if not args.quiet:
-            print(result.report.summary())
+            print(result.report.summary(decompose=True))
             print(f"wrote {args.output}")
         return 0
     inputs = None
@@ -162,11 +163,15 @@ def _run(command: str, args: argparse.Namespace) -> int:
     report = result.report
     if command == "explain":
         print(report.to_json() if args.json else report.explain(verbose=args.verbose))
-        if args.annotate:
+        where = sys.stderr if args.json else sys.stdout
+        if args.annotate:  # the report, if asked for, is renamed into place with the annotated copy
             from lnfuse.annotate import write_annotated
-            labelled = write_annotated(args.model, report, args.annotate)
-            print(f"wrote {args.annotate} ({labelled} candidate node(s) annotated)",
-                  file=sys.stderr if args.json else sys.stdout)
+            labelled = write_annotated(args.model, report, args.annotate, report_file=args.report)
+            print(f"wrote {args.annotate} ({labelled} candidate node(s) annotated)", file=where)
+        elif args.report:
+            _write_report(args.report, report.to_json(), result.ir_model)
+        if args.report:
+            print(f"wrote {args.report}", file=where)
         return 0
     if command == "check":
         if args.json:  # the report alone, so that scripts can parse stdout
@@ -197,6 +202,27 @@ def _run(command: str, args: argparse.Namespace) -> int:
         print(report.summary(verbose=args.verbose, colour=sys.stdout.isatty()))
         print(f"wrote {args.output}")
     return 0
+
+
+def _write_report(path: str, text: str, model) -> None:
+    """``explain --report`` without ``--annotate``: the report alone, written as every output is (into a temporary
+    folder beside it, then renamed into place), and never over a file the run read (the input or its data)."""
+    from lnfuse import io, trust
+    from lnfuse.errors import OutputError
+    from lnfuse.staging import Staging
+
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if not os.access(folder, os.W_OK):
+        raise OutputError(f"{target}: folder {str(folder)!r} is not writable; choose another report path")
+    reads = {ident: p for p in model.meta.get(io.INPUT_FILES, []) if (ident := trust.identity(p)) is not None}
+    trust.check_no_overwrite(reads, [target], set())
+    try:
+        with Staging() as staging:
+            (staging.area(folder) / target.name).write_text(text)
+            staging.commit(last=target)
+    except OSError as error:
+        raise OutputError(f"{target}: could not write ({error.strerror or error})") from None
 
 
 def run() -> None:

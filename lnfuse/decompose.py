@@ -21,7 +21,7 @@ from lnfuse.constants import static_value
 from lnfuse.engine import apply, cleanup, nodes_of, scopes, type_new_values, _all_names
 from lnfuse.pattern import attr_value
 from lnfuse.provenance import mark_decomposed
-from lnfuse.report import Fused, Report, Unfused
+from lnfuse.report import DECOMPOSE, Fused, Report, Unfused
 from lnfuse.rule import GraphContext, Refusal, Replacement
 from lnfuse.rules import embed_norm, layer_norm, rms_norm, skip_norm
 from lnfuse.verify import verify
@@ -72,19 +72,19 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
             try:
                 done.append((node, _replacement(node, inverse, ctx, loaded.model)))
             except Refusal as refusal:
-                report.unfused.append(Unfused("decompose", scope.path, f"{node.op_type} '{node.name}'",
+                report.unfused.append(Unfused(DECOMPOSE, scope.path, f"{node.op_type} '{node.name}'",
                                               refusal.check, refusal.detail, [node.name]))
         outcomes = verify([rep for _, rep in done], {**loaded.model.opset_imports, "": scope.opset},
                           loaded.model.ir_version, position) if verify_rewrites else [None] * len(done)
         kept = []
         for (node, rep), outcome in zip(done, outcomes):
             if outcome is not None and not outcome.ok:
-                report.unfused.append(Unfused("decompose", scope.path, f"{node.op_type} '{node.name}'", "verify",
+                report.unfused.append(Unfused(DECOMPOSE, scope.path, f"{node.op_type} '{node.name}'", "verify",
                                               outcome.detail, [node.name]))
                 continue
             apply(scope.graph, rep, position, ctx.fresh_name)
             kept.append(rep)
-            report.fused.append(Fused("decompose", node.op_type, scope.path, [node.name], rep.attributes,
+            report.fused.append(Fused(DECOMPOSE, node.op_type, scope.path, [node.name], rep.attributes,
                                       None if outcome is None else outcome.max_error))
         if kept:
             cleanup(scope.graph, [])

@@ -7,6 +7,9 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+#: the rule name ``decompose`` gives its entries: a ``Fused`` is then a fused op replaced by primitives, an
+#: ``Unfused`` one left as it was
+DECOMPOSE = "decompose"
 
 @dataclass
 class Fused:
@@ -84,8 +87,15 @@ class Report:
             rule_of.setdefault(f.op_type, f.rule)
         return [(rule_of[op], op, n, worst.get(op)) for op, n in counts.items()]
 
-    def summary(self, verbose: bool = False, colour: bool = False) -> str:
-        """Small tables: op counts before/after, fused per rule, what was left and why, notes, time."""
+    def decomposed_by_op(self) -> list[tuple[str, int, float | None]]:
+        """After ``decompose``: (fused op, how many were replaced by primitives, worst verified error)."""
+        counts = Counter(f.op_type for f in self.fused if f.rule == DECOMPOSE)
+        worst = self.worst_errors()
+        return [(op, n, worst.get(op)) for op, n in sorted(counts.items())]
+
+    def summary(self, verbose: bool = False, colour: bool = False, decompose: bool = False) -> str:
+        """Small tables: op counts before/after, fused per rule (after ``decompose``: decomposed per op), what was
+        left and why, notes, time. ``decompose``: the report is decompose's, even if it decomposed nothing."""
         style = _Style(colour)
         nodes_before, nodes_after = sum(self.ops_before.values()), sum(self.ops_after.values())
         lines = [style.bold(f"lnfuse: {self.source}") + f"  (target {self.target}, verification "
@@ -95,17 +105,23 @@ class Report:
         rows = [[op, str(self.ops_before.get(op, 0)), str(self.ops_after.get(op, 0))] for op in changed]
         lines += _table(["op", "before", "after"], rows + [["all nodes", str(nodes_before), str(nodes_after)]])
         lines.append("")
-        fused = self.fused_by_rule()
+        fused, decomposed = self.fused_by_rule(), self.decomposed_by_op()
+        decomposing = decompose or bool(decomposed) or any(u.rule == DECOMPOSE for u in self.unfused)
         if fused:
             lines += style.green(_table(["rule", "fused op", "count", "worst verified error"],
                                         [[r, op, str(n), "not verified" if e is None else f"{e:.2e}"]
                                          for r, op, n, e in fused]))
+        elif decomposed:
+            lines += style.green(_table(["decomposed op", "count", "worst verified error"],
+                                        [[op, str(n), "not verified" if e is None else f"{e:.2e}"]
+                                         for op, n, e in decomposed]))
         else:
-            lines.append("fused: nothing")
+            lines.append("decomposed: nothing" if decomposing else "fused: nothing")
         if self.unfused:
             lines.append("")
             shown = self.unfused if verbose else self.unfused[:20]
-            lines += style.yellow(_table([f"left unfused ({len(self.unfused)})", "rule/check", "reason"],
+            left = "left fused" if decomposing else "left unfused"
+            lines += style.yellow(_table([f"{left} ({len(self.unfused)})", "rule/check", "reason"],
                                          [[f"{u.graph}: {u.anchor}", f"{u.rule}/{u.check}", u.reason]
                                           for u in shown]))
             if len(shown) < len(self.unfused):
@@ -114,6 +130,9 @@ class Report:
             lines.append("")
             for f in self.fused:
                 err = "" if f.max_error is None else f" err {f.max_error:.2e}"
+                if f.rule == DECOMPOSE:
+                    lines.append(f"decomposed {f.op_type} in {f.graph} ({', '.join(f.nodes)}){err}")
+                    continue
                 lines.append(f"fused {f.op_type} in {f.graph} from {len(f.nodes)} nodes "
                              f"({', '.join(f.nodes[:3])}{'...' if len(f.nodes) > 3 else ''}){err}")
         if self.model_check or self.notes:

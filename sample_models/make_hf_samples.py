@@ -30,7 +30,8 @@ numerically. No hub access is needed or attempted (``HF_HUB_OFFLINE=1``).
 
 transformers and torch are *optional* dependencies: they are only needed to
 regenerate these files, which are committed. The files were made with
-``pip install torch==2.13.0 transformers==5.23.0`` (CPU torch wheel). Other
+``pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu`` and then
+``pip install transformers==5.23.0`` (the CPU torch build; plain PyPI ``torch`` on Linux is the CUDA one). Other
 versions may export different node patterns, so regenerate with the pinned ones.
 
 After exporting, each file is checked: onnx full_check, an onnxruntime run with

@@ -29,7 +29,8 @@ up numerically. All models are seeded, so reruns give the same weights.
 
 torch is an *optional* dependency (the ``export`` extra): it is only needed to
 regenerate these files, which are committed. Install it with
-``pip install torch==2.13.0`` (CPU wheel). Other torch versions may export
+``pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu``
+(the CPU build; plain PyPI ``torch`` on Linux is the CUDA one). Other torch versions may export
 different node patterns, so regenerate with the pinned one.
 
 After exporting, each file is checked: onnx full_check, an onnxruntime run with

@@ -81,6 +81,28 @@ def test_explain_lists_fused_and_refused_candidates(tmp_path: Path):
     assert "LEFT" in proc.stdout and "raises to 3" in proc.stdout
 
 
+def test_explain_writes_its_report_alone_or_with_the_annotated_copy(tmp_path: Path):
+    path, report = tmp_path / "m.onnx", tmp_path / "explain.json"
+    onnx.save(build(Spec(mutation="exponent3")), path)
+    before = _digest(path)
+    proc = lnfuse("explain", str(path), "--report", str(report))
+    assert proc.returncode == 0, proc.stderr
+    assert "LEFT" in proc.stdout and f"wrote {report}" in proc.stdout
+    as_json = lnfuse("explain", str(path), "--json")
+    timeless = lambda data: {k: v for k, v in data.items() if k != "seconds"}  # noqa: E731
+    assert timeless(json.loads(report.read_text())) == timeless(json.loads(as_json.stdout))
+    assert json.loads(report.read_text())["unfused"][0]["check"] == "exponent"
+    annotated, together = tmp_path / "a.onnx", tmp_path / "together.json"
+    both = lnfuse("explain", str(path), "--annotate", str(annotated), "--report", str(together))
+    assert both.returncode == 0, both.stderr
+    assert timeless(json.loads(together.read_text())) == timeless(json.loads(report.read_text()))
+    assert annotated.exists()
+    refused = lnfuse("explain", str(path), "--report", str(path))
+    assert refused.returncode == 2 and "would destroy the input" in refused.stderr
+    assert _digest(path) == before
+    assert not list(tmp_path.glob(".*lnfuse-tmp")), "no temporary files left behind"
+
+
 def test_target_onnx_and_upgrade(tmp_path: Path):
     path, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
     onnx.save(build(Spec(opset=14)), path)
@@ -213,6 +235,13 @@ def test_nothing_but_the_output_is_written(tmp_path: Path):
     assert sorted(p.name for p in work.iterdir()) == ["out.onnx"]
 
 
+@pytest.mark.parametrize("command", ["", "explain", "decompose", "check"])
+def test_help_is_plain_text(command: str):
+    proc = lnfuse(*([command] if command else []), "--help")
+    assert proc.returncode == 0 and "usage: lnfuse" in proc.stdout
+    assert "`" not in proc.stdout, "no reStructuredText/Markdown markup in what a terminal shows"
+
+
 def test_decompose_command(tmp_path: Path):
     fused, plain = tmp_path / "f.onnx", tmp_path / "p.onnx"
     assert lnfuse(str(SAMPLES / "bert_tiny_dynamo_op18.onnx"), "-o", str(fused), "-q").returncode == 0
@@ -220,6 +249,13 @@ def test_decompose_command(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     ops = {n.op_type for n in onnx.load(plain).graph.node}
     assert "ReduceMean" in ops and not ops & {"LayerNormalization", "SkipLayerNormalization"}
+    # the summary says what was decomposed, not what was fused
+    table = proc.stdout[proc.stdout.index("decomposed op"):].splitlines()
+    assert table[1].split()[:2] == ["EmbedLayerNormalization", "1"]
+    assert table[2].split()[:2] == ["SkipLayerNormalization", "4"]
+    assert "fused: nothing" not in proc.stdout
+    again = lnfuse("decompose", str(plain), "-o", str(tmp_path / "again.onnx"))
+    assert again.returncode == 0 and "decomposed: nothing" in again.stdout and "fused" not in again.stdout
 
 
 def _split_external(model: onnx.ModelProto, folder: Path, weights: set[str]) -> Path:

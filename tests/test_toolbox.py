@@ -3,6 +3,7 @@ ONNXProgram as input, provenance in the written model, and ``explain --annotate`
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -14,7 +15,6 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-import torch
 
 import lnfuse
 from lnfuse.cli import main
@@ -38,39 +38,19 @@ def test_version_needs_no_model_and_names_the_libraries():
 
 
 # --- torch's dynamo exporter: an ONNXProgram, and FusePass in a PassManager ----------------------------------------
+# The PassManager tests run on two tiny dynamo exports shipped in sample_models/toolbox/ (make_toolbox_samples.py),
+# each with its input and torch's output beside it, so the suite needs no torch. Only the ONNXProgram test exports
+# (torch is not in the test extra: it skips where torch is not installed).
 
-class PostNorm(torch.nn.Module):
-    """A BERT-style residual block with its LayerNorm written as math, and a scale of 1 (a no-op an optimizer
-    removes); torch's exporter keeps both as they are with ``optimize=False``."""
-
-    def __init__(self, hidden: int = 16):
-        super().__init__()
-        self.dense = torch.nn.Linear(hidden, hidden)
-        self.weight = torch.nn.Parameter(torch.rand(hidden) + 0.5)
-        self.bias = torch.nn.Parameter(torch.rand(hidden))
-        self.scale = 1.0
-
-    def forward(self, x):
-        h = self.dense(x) * self.scale + x
-        mean = h.mean(-1, keepdim=True)
-        var = (h - mean).pow(2).mean(-1, keepdim=True)
-        return (h - mean) / torch.sqrt(var + 1e-5) * self.weight + self.bias
+TOOLBOX = SAMPLES / "toolbox"
+POSTNORM = TOOLBOX / "postnorm_dynamo_op18.onnx"  # BERT-style residual block, LayerNorm as math, a scale of 1
+RESIDUAL = TOOLBOX / "residual_dynamo_op20.onnx"  # nn.LayerNorm(dense(x) + x): a LayerNormalization node
 
 
-@pytest.fixture(scope="module")
-def exported():
-    torch.manual_seed(0)
-    module = PostNorm().eval()
-    x = torch.randn(2, 5, 16)
-    program = torch.onnx.export(module, (x,), dynamo=True, opset_version=18, optimize=False, verbose=False)
-    with torch.no_grad():
-        expected = module(x).numpy()
-    return program, x.numpy(), expected
-
-
-def _fresh(program) -> ir.Model:
-    """The exported model, copied: onnxscript's passes rewrite their input in place."""
-    return ir.serde.deserialize_model(ir.serde.serialize_model(program.model))
+def _io(model_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The input the sample was exported with and torch's own output for it."""
+    with np.load(model_path.with_suffix(".npz")) as saved:
+        return saved["x"], saved["expected"]
 
 
 def _ops(model: ir.Model | onnx.ModelProto) -> list[str]:
@@ -83,24 +63,33 @@ def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     return session.run(None, {session.get_inputs()[0].name: x})[0]
 
 
-def test_fuse_takes_an_onnx_program_and_leaves_it_alone(exported):
-    program, x, expected = exported
+def test_fuse_takes_an_onnx_program_and_leaves_it_alone():
+    torch = pytest.importorskip("torch", reason="torch's ONNXProgram needs torch (CPU build: docs/development.md)")
+    spec = importlib.util.spec_from_file_location("make_toolbox_samples", SAMPLES / "make_toolbox_samples.py")
+    samples = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(samples)
+    torch.manual_seed(0)
+    module = samples.PostNorm().eval()
+    x = torch.randn(2, 5, 16)
+    program = torch.onnx.export(module, (x,), dynamo=True, opset_version=18, optimize=False, verbose=False)
+    with torch.no_grad():
+        expected = module(x).numpy()
     assert type(program).__name__ == "ONNXProgram" and isinstance(program.model, ir.Model)
     before = _ops(program.model)
     result = lnfuse.fuse(program)
     assert _ops(program.model) == before
     assert "ReduceMean" not in _ops(result.model)
     assert result.report.fused_counts() == {"SkipLayerNormalization": 1}
-    np.testing.assert_allclose(_run(result.model, x), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(_run(result.model, x.numpy()), expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("target, fused_op", [("ort", "SkipLayerNormalization"), ("onnx", "LayerNormalization")])
-def test_fuse_pass_runs_in_a_pass_manager_after_onnxscript_passes(exported, target, fused_op):
+def test_fuse_pass_runs_in_a_pass_manager_after_onnxscript_passes(target, fused_op):
     from onnxscript.rewriter import RewritePass
     from onnxscript.rewriter.rules.common import mul_by_1_rule
 
-    program, x, expected = exported
-    model = _fresh(program)
+    x, expected = _io(POSTNORM)
+    model = ir.load(POSTNORM)
     assert "Mul" in _ops(model)  # the scale of 1, left for onnxscript's rule
     fuse_pass = lnfuse.FusePass(target=target)
     manager = ir.passes.PassManager([RewritePass([mul_by_1_rule]), ir.passes.common.IdentityEliminationPass(),
@@ -116,32 +105,18 @@ def test_fuse_pass_runs_in_a_pass_manager_after_onnxscript_passes(exported, targ
 
 def test_fuse_pass_folds_the_residual_into_torch_layer_norm():
     """nn.LayerNorm exports as LayerNormalization; with target ort the residual Add before it becomes a Skip op."""
-
-    class Residual(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.dense, self.norm = torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)
-
-        def forward(self, x):
-            return self.norm(self.dense(x) + x)
-
-    torch.manual_seed(0)
-    module, x = Residual().eval(), torch.randn(2, 5, 16)
-    program = torch.onnx.export(module, (x,), dynamo=True, verbose=False)
-    assert "LayerNormalization" in _ops(program.model)
+    x, expected = _io(RESIDUAL)
+    model = ir.load(RESIDUAL)
+    assert "LayerNormalization" in _ops(model)
     fuse_pass = lnfuse.FusePass()
-    result = ir.passes.PassManager([fuse_pass, ir.passes.common.RemoveUnusedNodesPass()])(program.model)
+    result = ir.passes.PassManager([fuse_pass, ir.passes.common.RemoveUnusedNodesPass()])(model)
     assert result.modified and fuse_pass.report.fused_counts() == {"SkipLayerNormalization": 1}
     assert "LayerNormalization" not in _ops(result.model)
-    with torch.no_grad():
-        expected = module(x).numpy()
-    np.testing.assert_allclose(_run(ir.serde.serialize_model(result.model), x.numpy()), expected, rtol=1e-4,
-                               atol=1e-5)
+    np.testing.assert_allclose(_run(ir.serde.serialize_model(result.model), x), expected, rtol=1e-4, atol=1e-5)
 
 
-def test_fuse_pass_is_functional_and_checks_its_options_when_built(exported):
-    program, _, _ = exported
-    model = _fresh(program)
+def test_fuse_pass_is_functional_and_checks_its_options_when_built():
+    model = ir.load(POSTNORM)
     before = _ops(model)
     result = lnfuse.FusePass(only=["layer_norm"])(model)
     assert result.model is not model and _ops(model) == before
@@ -294,6 +269,7 @@ def test_lnfuse_as_an_olive_pass(tmp_path):
 
 def test_lnfuse_after_an_optimum_export(tmp_path):
     exporters = pytest.importorskip("optimum.exporters.onnx")
+    import torch
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
