@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import io
 import os
 import sys
 from pathlib import Path
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())  # shown as it is: plain text, no markup
     args = _parser(command).parse_args(argv)
     try:
-        return _run(command, args)
+        with contextlib.redirect_stdout(_ReaderMayLeave(sys.stdout)):
+            return _run(command, args)
     except LnfuseError as error:
         print(f"lnfuse: error: {error}", file=sys.stderr)
         return error.exit_code
@@ -107,6 +110,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lnfuse: internal error ({type(error).__name__}: {text}); nothing was written; please report it "
               "with the model", file=sys.stderr)
         return 3
+
+
+class _ReaderMayLeave(io.TextIOBase):
+    """stdout that stops writing once its reader has gone (``lnfuse check m.onnx | head -1``): what lnfuse did,
+    wrote and exits with does not depend on whether anyone read all of what it printed."""
+
+    def __init__(self, stream) -> None:
+        super().__init__()
+        self._stream, self._gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                self._stream.write(text)
+                self._stream.flush()  # a closed pipe shows here, not later at exit
+            except BrokenPipeError:
+                self._gone = True
+        return len(text)
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
 
 
 def _progress(fraction: float, label: str) -> None:

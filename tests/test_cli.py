@@ -397,3 +397,21 @@ def test_whole_model_check_on_a_model_ort_cannot_run(tmp_path: Path):
     proc = lnfuse(str(path), "-o", str(tmp_path / "out" / "o.onnx"))
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["all.data", "all_external.onnx", "out"]
+
+
+@pytest.mark.parametrize("command", [["fuse", "--json"], ["check"], ["explain"]])
+def test_a_reader_that_leaves_changes_neither_the_work_nor_the_exit_code(model_path: Path, tmp_path: Path,
+                                                                         command: list[str]):
+    """``lnfuse ... | head``: stdout's reader may close the pipe before lnfuse prints; the model is still written,
+    and the exit code is the command's own, not an internal error claiming nothing was written."""
+    out = tmp_path / "o.onnx"
+    args = [command[0], str(model_path)] + (["-o", str(out)] if command[0] == "fuse" else []) + command[1:]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before lnfuse writes a byte
+    proc = subprocess.run([sys.executable, "-m", "lnfuse.cli", *args], stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=300)
+    os.close(write)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    if command[0] == "fuse":
+        onnx.checker.check_model(onnx.load(out), full_check=True)
