@@ -9,7 +9,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from lnfuse.budget import MAX_ELEMENTS
 from lnfuse.errors import InputError, UsageError, first_line
+from lnfuse.library_budget import first_oversized
 from lnfuse.verify import BUDGET, ID_MOVES, TOLERANCE, compare, dim_size, session
 
 #: sizes tried for the spatial dims of an image (read by a 2-D or 3-D Conv) or a signal (a 1-D Conv), in order: the
@@ -42,6 +44,8 @@ def model_inputs(model: onnx.ModelProto | str, seed: int = 0, option: str = "--v
     image/signal sizes; other symbolic dims get small sizes, the same for the same name. Integer inputs that are
     lookup ids stay below their table's rows; other integers are 0/1 (a valid mask), floats ~N(0, 1)."""
     plan = _InputPlan(model)
+    if isinstance(model, onnx.ModelProto):
+        _within_budget(model, option)
     try:
         sess, errors = _session(model, base_dir), []
     except Exception as error:  # noqa: BLE001 - ORT raises several types; its message is what the user needs
@@ -205,6 +209,7 @@ def compare_models(original: onnx.ModelProto, fused: onnx.ModelProto, inputs: di
                    base_dir: Path | None = None, option: str = "--verify model") -> dict:
     """``{"ok", "summary", "outputs": {name: max_abs_diff}}`` for the two models on the same inputs (``inputs``,
     or ones built by ``model_inputs``; ``option`` names what needs them in the error when none can be built)."""
+    _within_budget(original, option)
     if inputs is not None:
         _check_feeds(original, inputs)
         try:
@@ -230,6 +235,16 @@ def compare_models(original: onnx.ModelProto, fused: onnx.ModelProto, inputs: di
     worst = max(outputs.values()) if outputs else 0.0
     summary = f"{'agree' if ok else 'DIFFER'}; worst output difference {worst:.2e} over {len(outputs)} output(s)"
     return {"ok": ok, "summary": summary, "outputs": outputs}
+
+
+def _within_budget(model: onnx.ModelProto, option: str) -> None:
+    """Running the model makes ONNX Runtime compute every value, also those a few bytes describe as gigabytes
+    (``ConstantOfShape([2**31])``): a model holding one past lnfuse's budget is not run."""
+    node = first_oversized(model)
+    if node is not None:
+        raise InputError(f"{option} would run the model, and its {node} computes from constants more than "
+                         f"{MAX_ELEMENTS:,} elements (or an amount that cannot be told beforehand), over lnfuse's "
+                         f"budget; run without {option}")
 
 
 def _check_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
