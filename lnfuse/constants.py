@@ -5,7 +5,8 @@ Exporters rarely write epsilon or reduction axes as a plain initializer: the ONN
 as ``CastLike(Constant, x)``. A value computed only from constants and from other values' types or shapes
 (``CastLike``'s second input, ``Shape``, ``Size``) is fixed when the model is built, whatever those values hold.
 Folding those few ops here lets a rule read the number it needs without running the model. Large initializers are
-never read by ``is_static``.
+never read by ``is_static``. Every fold is sized first (``budget``): a value that would be larger than the budget is
+not computed, and counts as unknown.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import math
 
 import numpy as np
 import onnx_ir as ir
+
+from lnfuse.budget import OverBudget, output_elements, require
 
 _MAX_DEPTH = 8
 _FOLDABLE = frozenset(
@@ -34,7 +37,8 @@ def is_static(value: ir.Value, depth: int = 0, memo: dict | None = None) -> bool
     already is (it gives up past ``_MAX_DEPTH``) and holds up to some depth, failing beyond: per value, the memo
     keeps the deepest depth known to hold and the shallowest known to fail."""
     if memo is None:
-        return _is_static(value, depth, None)
+        # one memo for this walk at least: without it, a value read twice by each of 8 levels is walked 2**8 times
+        memo = {}
     holds, fails = memo.get(value, (-1, math.inf))
     if depth <= holds or depth >= fails:
         return depth <= holds
@@ -80,8 +84,8 @@ def _known_dims_of_shape(node: ir.Node, depth: int = 0) -> np.ndarray | None:
         return None
     dims = _read_dims(shape_node)
     try:
-        indices = np.asarray(_evaluate(node.inputs[1]))
-    except (ValueError, TypeError, IndexError, KeyError):
+        indices = np.asarray(_evaluate(node.inputs[1], {}))
+    except (ValueError, TypeError, IndexError, KeyError, ArithmeticError):
         return None
     if dims is None or indices.dtype.kind not in "iu" or \
             not all(-len(dims) <= int(i) < len(dims) for i in indices.ravel()):
@@ -104,12 +108,24 @@ def _read_dims(node: ir.Node) -> list | None:
 
 
 def static_value(value: ir.Value | None, memo: dict | None = None) -> np.ndarray | None:
-    """The value's numbers if ``is_static`` holds, else None (``memo`` as for ``is_static``)."""
+    """The value's numbers if ``is_static`` holds, else None (``memo`` as for ``is_static``); None too when
+    computing it would exceed the budget (``fold`` says so)."""
+    try:
+        return fold(value, memo)
+    except OverBudget:
+        return None
+
+
+def fold(value: ir.Value | None, memo: dict | None = None) -> np.ndarray | None:
+    """As ``static_value``, but raises ``OverBudget`` (with the node and the size) when the value, or one it is
+    computed from, would be larger than the budget: a check can then say why it has no number."""
     if value is None or not is_static(value, 0, memo):
         return None
     try:
-        return _evaluate(value)
-    except (ValueError, TypeError, IndexError, KeyError):
+        return _evaluate(value, {})
+    except OverBudget:
+        raise
+    except (ValueError, TypeError, IndexError, KeyError, ArithmeticError):
         return None
 
 
@@ -118,7 +134,15 @@ def _attr(node: ir.Node, name: str, default=None):
     return default if attr is None else attr.value
 
 
-def _evaluate(value: ir.Value) -> np.ndarray:
+def _evaluate(value: ir.Value, done: dict) -> np.ndarray:
+    """The value's numbers; ``done`` holds the values already computed in this fold (a value read by both inputs
+    of each of 8 nodes would otherwise be computed 2**8 times)."""
+    if value not in done:
+        done[value] = _compute(value, done)
+    return done[value]
+
+
+def _compute(value: ir.Value, done: dict) -> np.ndarray:
     node = value.producer()
     if node is None:
         return np.asarray(value.const_value.numpy())
@@ -131,13 +155,17 @@ def _evaluate(value: ir.Value) -> np.ndarray:
     if op == "Shape":
         return np.array([int(d) for d in _read_dims(node)], dtype=np.int64)
     if op == "CastLike":
-        return _evaluate(node.inputs[0]).astype(node.inputs[1].dtype.numpy())
+        return _evaluate(node.inputs[0], done).astype(node.inputs[1].dtype.numpy())
     if op == "Size":
-        return np.array(int(np.prod([int(d) for d in node.inputs[0].shape])), dtype=np.int64)
+        # math.prod: numpy's product of declared dims wraps around past 2**63
+        return np.array(math.prod(int(d) for d in node.inputs[0].shape), dtype=np.int64)
     known = _known_dims_of_shape(node)
     if known is not None:
         return known
-    args = [None if v is None else _evaluate(v) for v in node.inputs]
+    args = [None if v is None else _evaluate(v, done) for v in node.inputs]
+    # sized before numpy allocates: the inputs are small, the output may be gigabytes
+    require(output_elements(op, lambda name, default: _attr(node, name, default), args),
+            f"{op} '{node.name}'")
     return _FOLD[op](node, args)
 
 

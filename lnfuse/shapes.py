@@ -9,15 +9,17 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import itertools
 import logging
 import re
 import sys
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 
+from lnfuse.budget import MAX_ELEMENTS, elements
+from lnfuse.library_budget import hide_oversized, restore
 from lnfuse.traversal import every_node
 
 
@@ -29,12 +31,18 @@ def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     up its value_info to this function.
     """
     claims = _take_claims(proto.graph)
-    inferred, error = _infer(proto)
-    if _merge_claims(inferred.graph, claims):
-        # a claim filled a gap: infer again, so the values computed from it get shapes too
-        again, again_error = _infer(inferred)
-        if again_error is None:
-            inferred = again
+    # the libraries fold constants without a bound: what would pass the budget is hidden from them meanwhile
+    hidden = hide_oversized(proto)
+    try:
+        inferred, error = _infer(proto)
+        if _merge_claims(inferred.graph, claims):
+            # a claim filled a gap: infer again, so the values computed from it get shapes too
+            again, again_error = _infer(inferred)
+            if again_error is None:
+                inferred = again
+    finally:
+        restore(proto, hidden)
+    restore(inferred, hidden)
     return inferred, error
 
 
@@ -46,7 +54,8 @@ def _infer(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     unknown (an ``unk__`` per value), ONNX Runtime's symbolic shape inference (Python, ~0.1 ms per node) does it
     instead, and onnx's then fills in what the symbolic pass left open.
     """
-    if not _has_huge_input(proto):
+    safe = not _has_huge_input(proto) and not _long_vector(proto)
+    if safe:
         with contextlib.suppress(Exception):
             quick = onnx.shape_inference.infer_shapes(proto, data_prop=True)
             if _complete(quick.graph):
@@ -55,7 +64,7 @@ def _infer(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     try:
         # onnx's data propagation is only the fallback: it materializes Size/Shape values, and on a Size of a
         # multi-GB weight it allocates until the machine runs out of memory
-        propagate = symbolic is None and not _has_huge_input(proto)
+        propagate = symbolic is None and safe
         return onnx.shape_inference.infer_shapes(symbolic or proto, data_prop=propagate), None
     except Exception as exc:  # noqa: BLE001 - shape inference is a help, not a requirement
         if symbolic is not None:
@@ -170,8 +179,27 @@ def _complete_type(tensor: onnx.TypeProto.Tensor) -> bool:
 
 
 def _has_huge_input(proto: onnx.ModelProto) -> bool:
-    return any(int(np.prod([d.dim_value for d in v.type.tensor_type.shape.dim] or [0])) > 1 << 24
-               for v in proto.graph.input)
+    """An input whose known dims alone make more than 2**24 elements: onnx's data propagation materializes Size
+    and Shape values of it. Symbolic dims count as 1 (a [batch, 2**40] input is huge whatever batch is), and the
+    product is taken in Python ints (numpy's wraps around past 2**63)."""
+    return any(elements(d.dim_value or 1 for d in v.type.tensor_type.shape.dim) > 1 << 24
+               for v in proto.graph.input if v.type.tensor_type.shape.dim)
+
+
+def _long_vector(proto: onnx.ModelProto) -> bool:
+    """Whether onnx's inference without data propagation (which folds nothing) finds a 1-D value longer than the
+    budget. onnx's data propagation holds every 1-D value that reaches an op it propagates through (Add, Concat,
+    Gather...) as a TensorShapeProto of one dim per element, about 150 bytes each, whether its data is known or
+    not: a [2**28] vector is 40 GB. Such a model is inferred without data propagation."""
+    try:
+        plain = onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # noqa: BLE001 - then data propagation would fail as well
+        return True
+    for info in itertools.chain(plain.graph.input, plain.graph.value_info, plain.graph.output):
+        dims = info.type.tensor_type.shape.dim
+        if len(dims) == 1 and dims[0].dim_value > MAX_ELEMENTS:
+            return True
+    return False
 
 
 def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -372,6 +400,7 @@ def _infer_body(model: ir.Model, function: ir.Function, inputs: list) -> None:
     opsets = [onnx.helper.make_opsetid(d, v) for d, v in {**model.opset_imports, **function.opset_imports}.items()]
     probe = onnx.helper.make_model(graph, opset_imports=opsets)
     probe.ir_version = model.ir_version
+    hide_oversized(probe)  # only the values' types are read back, by name: the renamed inputs need no restoring
     try:
         inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True).graph
     except Exception:  # noqa: BLE001 - without types the checks refuse and say why

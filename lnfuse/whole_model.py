@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 from lnfuse.errors import InputError, UsageError, first_line
 from lnfuse.gate import Gate
+from lnfuse.library_budget import first_oversized
 from lnfuse.verify import BUDGET, ID_MOVES, TOLERANCE, compare, dim_size, session
 
 #: sizes tried for the spatial dims of an image (read by a 2-D or 3-D Conv) or a signal (a 1-D Conv), in order: the
@@ -19,6 +20,11 @@ _SPATIAL_TRIES = {2: (32, 64, 224, 16, 128, 256, 384, 512), 1: (400, 1600, 4000,
 _SAME_AXES = frozenset({"Cast", "Identity", "Add", "Sub", "Mul", "Div", "Pad", "Relu", "Clip", "CastLike"})
 _ID_ROWS = 64
 _SAME_SIZES = (4, 1)
+
+
+#: the most elements one node of a model run whole (``--verify model``) may compute from constants: 2^27 (512 MiB
+#: of float32), a whole-model run's own budget, beside ``budget.MAX_ELEMENTS`` for what lnfuse folds itself
+RUN_ELEMENTS = 1 << 27
 
 
 class NoRunnableInputs(InputError):
@@ -42,6 +48,8 @@ def model_inputs(model: onnx.ModelProto, seed: int = 0, option: str = "--verify 
     image/signal sizes; other symbolic dims get small sizes, the same for the same name. Integer inputs that are
     lookup ids stay below their table's rows; other integers are 0/1 (a valid mask), floats ~N(0, 1)."""
     plan = _InputPlan(model)
+    if isinstance(model, onnx.ModelProto):
+        _within_budget(model, option)
     try:
         sess, errors = _session(model, gate), []
     except Exception as error:  # noqa: BLE001 - ORT raises several types; its message is what the user needs
@@ -205,6 +213,7 @@ def compare_models(original: onnx.ModelProto, fused: onnx.ModelProto, inputs: di
                    gate: Gate | None = None, option: str = "--verify model") -> dict:
     """``{"ok", "summary", "outputs": {name: max_abs_diff}}`` for the two models on the same inputs (``inputs``,
     or ones built by ``model_inputs``; ``option`` names what needs them in the error when none can be built)."""
+    _within_budget(original, option)
     if inputs is not None:
         _check_feeds(original, inputs)
         try:
@@ -230,6 +239,18 @@ def compare_models(original: onnx.ModelProto, fused: onnx.ModelProto, inputs: di
     worst = max(outputs.values()) if outputs else 0.0
     summary = f"{'agree' if ok else 'DIFFER'}; worst output difference {worst:.2e} over {len(outputs)} output(s)"
     return {"ok": ok, "summary": summary, "outputs": outputs}
+
+
+def _within_budget(model: onnx.ModelProto, option: str) -> None:
+    """Running the model makes ONNX Runtime compute every value, also those a few bytes describe as gigabytes
+    (``ConstantOfShape([2**31])``): a model where one node would make more than ``RUN_ELEMENTS`` from constants is
+    not run. Real models do compute large constants (a causal mask of 2048 x 2048, fp16 weights cast to fp32):
+    the limit is per node and far above those, but below what a few bytes could otherwise make ORT allocate."""
+    node = first_oversized(model, RUN_ELEMENTS)
+    if node is not None:
+        raise InputError(f"{option} would run the model, and its {node} computes from constants more than "
+                         f"{RUN_ELEMENTS:,} elements (or an amount that cannot be told beforehand); run without "
+                         f"{option}")
 
 
 def _check_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:

@@ -11,7 +11,8 @@ from typing import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.constants import is_static, static_value
+from lnfuse.budget import OverBudget
+from lnfuse.constants import fold, is_static, static_value
 from lnfuse.pattern import Either, Match, Op, Pattern, attr_value, maybe_cast
 from lnfuse.rule import GraphContext, Refusal
 
@@ -210,7 +211,10 @@ def scalar(m: Match, name: str, what: str) -> float:
     """A constant that must hold one number and must not broadcast the result to another shape: epsilon, an
     exponent, a numerator."""
     value = m.value(name)
-    array = static_value(value)
+    try:
+        array = fold(value)
+    except OverBudget as over:
+        raise Refusal("budget", f"{what} '{value.name}' is not computed: {over}") from None
     if array is None:
         producer = value.producer()
         source = f"node '{producer.name}' ({producer.op_type})" if producer is not None else "a graph input"
