@@ -9,6 +9,10 @@ Models (generated into ``--models`` when absent, deterministic, no torch needed)
                                     ``value`` of a ``Constant`` node, as onnxscript's code form writes them (671 MB),
                                     with a decomposed LayerNorm before each block (gamma/beta also Constants).
 * ``chain_{N}nodes.onnx``           one decomposed LayerNorm followed by a chain of N ``Neg`` nodes (25 MB at 1M).
+* ``negs_before_{N}nodes.onnx``    a chain of N ``Neg`` nodes in front of one decomposed LayerNorm (the normal form
+                                    reads sign chains: it must not read this one again from every point of it).
+* ``scales_before_{N}nodes.onnx``  the same with ``Mul`` by a constant.
+``--chain`` takes several lengths (default 10,000, 100,000 and 1,000,000), to show the time growing linearly.
 
 Each tool runs as its own process (interpreter start and imports included) and is timed from the parent; peak RSS
 comes from ``wait4``. The order of the tools rotates from round to round; medians are printed:
@@ -18,8 +22,9 @@ comes from ``wait4``. The order of the tools rotates from round to round; median
 * ``onnx``            ``onnx.load`` + ``onnx.checker.check_model`` + ``onnx.save``.
 * ``ort-cpp``         ONNX Runtime's C++ optimizer (ORT_ENABLE_EXTENDED, ``optimized_model_filepath``).
 
-Targets (PASS/FAIL lines): Constant weights: lnfuse no slower than ``onnx`` and under 0.5 GB peak; chain: lnfuse
-within 1.5x of ``onnx_ir`` in time and in peak RSS.
+Targets (PASS/FAIL lines): Constant weights: lnfuse no slower than ``onnx`` and under 0.5 GB peak; chains: lnfuse
+within 1.5x of ``onnx_ir`` in time and in peak RSS, and lnfuse's time per node at the longest chain within 1.5x of
+that at the next (linear growth).
 """
 
 from __future__ import annotations
@@ -104,25 +109,50 @@ def build_constant_weights(layers: int = CONSTANT_LAYERS) -> onnx.ModelProto:
                          producer_name="lnfuse-benchmarks")
 
 
-def build_chain(length: int) -> onnx.ModelProto:
-    """A LayerNorm then ``length`` Neg nodes; nodes are added in place (make_node per node would take minutes)."""
-    nodes: list[onnx.NodeProto] = []
+#: chain models by file-name prefix: (the chain's op, whether it comes before the norm)
+CHAINS = {"chain": ("Neg", False), "negs_before": ("Neg", True), "scales_before": ("Mul", True)}
+
+
+def build_chain(length: int, kind: str = "chain") -> onnx.ModelProto:
+    """A LayerNorm and a chain of ``length`` sign or scale nodes, after or before it (``CHAINS``). The chain's
+    nodes are added in place (make_node per node would take minutes)."""
+    op_type, before = CHAINS[kind]
+    head: list[onnx.NodeProto] = []
 
     def constant(name: str, value: np.ndarray) -> str:
-        nodes.append(oh.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+        head.append(oh.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
         return name
 
-    x = _layer_norm(nodes, "x", CHAIN_WIDTH, "norm", constant)
-    graph = oh.make_graph(nodes, "chain", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", CHAIN_WIDTH])],
+    scale = [constant("scale", np.array(1.0, np.float32))] if op_type == "Mul" else []
+    graph = oh.make_graph([], "chain", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", CHAIN_WIDTH])],
                           [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", CHAIN_WIDTH])])
-    for i in range(length):
-        node = graph.node.add()
-        node.op_type = "Neg"
-        node.input.append(x)
-        x = "y" if i == length - 1 else f"v{i}"
-        node.output.append(x)
+
+    def chain(x: str, last: str) -> None:
+        for i in range(length):
+            node = graph.node.add()
+            node.op_type = op_type
+            node.input.extend([x] + scale)
+            x = last if i == length - 1 else f"v{i}"
+            node.output.append(x)
+
+    if before:
+        graph.node.extend(head)
+        chain("x", "chained")
+        tail: list[onnx.NodeProto] = []
+        out = _layer_norm(tail, "chained", CHAIN_WIDTH, "norm", lambda name, value: _constant_node(tail, name, value))
+        tail.append(oh.make_node("Identity", [out], ["y"]))
+        graph.node.extend(tail)
+    else:
+        out = _layer_norm(head, "x", CHAIN_WIDTH, "norm", constant)
+        graph.node.extend(head)
+        chain(out, "y")
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8,
                          producer_name="lnfuse-benchmarks")
+
+
+def _constant_node(nodes: list[onnx.NodeProto], name: str, value: np.ndarray) -> str:
+    nodes.append(oh.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+    return name
 
 
 def ensure_model(folder: Path, name: str, build) -> Path:
@@ -204,12 +234,35 @@ def targets(model: Path, runs: dict[tuple[str, str], list[ChildRun]]) -> list[st
             f"target <= {CHAIN_LIMIT}x)" for k, what, digits in ((0, "s", 2), (1, "peak MB", 0))]
 
 
+def linear_growth(models: list[Path], runs: dict[tuple[str, str], list[ChildRun]]) -> list[str]:
+    """lnfuse's seconds per thousand nodes along each kind of chain; PASS when the longest chain costs at most
+    ``CHAIN_LIMIT`` times per node what the next shorter one does (a quadratic walk shows as 10x per 10x)."""
+    lines = []
+    for kind in CHAINS:
+        points = []
+        for model in models:
+            stem, _, rest = model.stem.rpartition("_")
+            got = summary(runs.get((model.name, "lnfuse"), []))
+            if stem == kind and rest.endswith("nodes") and got is not None:
+                points.append((int(rest[:-len("nodes")]), got[0]))
+        points.sort()
+        if len(points) < 2:
+            continue
+        per = [f"{n:,}: {1000 * t / n:.3f} ms" for n, t in points]
+        (n1, t1), (n2, t2) = points[-2:]
+        ratio = (t2 / n2) / (t1 / n1)
+        lines.append(f"{'PASS' if ratio <= CHAIN_LIMIT else 'FAIL'}  {kind}: lnfuse per 1000 nodes {', '.join(per)} "
+                     f"(longest / next: {ratio:.2f}x, target <= {CHAIN_LIMIT}x)")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", type=Path, default=DEFAULT_OUT, help="where the models are (made if absent)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--chain", type=int, default=1_000_000, help="nodes in the chain model")
-    parser.add_argument("--only", choices=("constants", "chain"), help="run one of the two models")
+    parser.add_argument("--chain", default="10000,100000,1000000", help="comma-separated chain lengths")
+    parser.add_argument("--chains", default=",".join(CHAINS), help="comma-separated subset of: " + ", ".join(CHAINS))
+    parser.add_argument("--only", choices=("constants", "chain"), help="run the Constant-weights or the chain models")
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of: " + ", ".join(TOOLS))
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a run counts as failed")
     args = parser.parse_args(argv)
@@ -220,14 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "chain":
         models.append(ensure_model(args.models, "constant_weights_671mb.onnx", build_constant_weights))
     if args.only != "constants":
-        models.append(ensure_model(args.models, f"chain_{args.chain}nodes.onnx", lambda: build_chain(args.chain)))
+        for kind in [k for k in args.chains.split(",") if k]:
+            for length in sorted(int(n) for n in args.chain.split(",") if n):
+                models.append(ensure_model(args.models, f"{kind}_{length}nodes.onnx",
+                                           lambda length=length, kind=kind: build_chain(length, kind)))
     compiled = compile_lnfuse() if "lnfuse" in tools else ""
     cpu_start = cpu_snapshot()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lnfuse-scale-", dir=args.models) as tmp:
         runs = run_rounds(models, tools, args.rounds, Path(tmp), args.timeout)
     print()
-    lines = print_table(models, tools, runs)
+    lines = print_table(models, tools, runs) + linear_growth(models, runs)
     print("\n".join(lines + ([compiled] if compiled else [])))
     print(f"\n{args.rounds} rounds, {time.perf_counter() - start:.0f} s; onnx {onnx.__version__}")
     print(competition_note(cpu_start))
