@@ -1,13 +1,21 @@
 """A seeded mutation fuzzer: malformed and hostile variants of real models through the real command line.
 
-Each case takes a seed model (sample exports and small norm graphs, some with external data), mutates it at the byte
-level (flips, truncations, insertions, runs of 0xff) or the field level (dims, data types, names with invalid UTF-8,
-external-data entries, links, op attributes, sparse tensors, opset imports, graph inputs and outputs, IR version),
-runs ``lnfuse`` on it in a sandbox folder and checks the contract:
+Each case takes a seed model (sample exports and small norm graphs). Half the cases mutate it at the byte level
+(flips, truncations, insertions, runs of 0xff), the field level (dims, data types, names with invalid UTF-8, op
+attributes, sparse tensors, opset imports, graph inputs and outputs, IR version) or its external data (entries, links,
+hard links). The other half are structure-aware: weights made sparse (sparse_initializer, Constant sparse_value,
+bent shapes and indices), norms moved into model-local functions and If/Loop bodies with their weights as Constants
+inside, epsilon or a Reshape target computed from ConstantOfShape/Expand/Range/Tile/Pad of a huge constant size, and
+external data on every tensor kind (initializers, sparse values and indices, Constant and attribute tensors in the
+main graph, bodies and functions) pointed at the working directory, absolute paths, ``..``, non-UTF-8 names, links,
+FIFOs and devices. Every case runs ``lnfuse`` from a working directory of canary files (``.env``, ``.ssh/id_rsa``,
+and a file named like every location the model mentions) and checks the contract:
 
 - the exit code is 0 or 2, never a traceback; a failure is one line on stderr, and leaves no output and no stray file;
 - the input (the model and its data files) is unchanged, and nothing outside the output folder is created or changed;
-- a success writes a model that ONNX Runtime loads whenever it loaded the input.
+- a success writes a model that ONNX Runtime loads whenever it loaded the input;
+- no canary byte appears in any output file, in the written model's dims, on stdout or stderr;
+- the run stays within the memory budget (``_MEMORY_LIMIT``) and never blocks (``_TIMEOUT``).
 
 CI runs ``LNFUSE_FUZZ`` cases (default 300); ``LNFUSE_FUZZ=20000 pytest tests/test_fuzz.py`` is a long campaign
 (``LNFUSE_FUZZ_SEED`` picks another series). A failing case prints the case number that reproduces it:
