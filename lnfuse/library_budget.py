@@ -89,8 +89,7 @@ def hide_oversized(proto: onnx.ModelProto) -> Hidden:
 
 def first_oversized(proto: onnx.ModelProto, per_node: int) -> str | None:
     """The first node of the main graph that would compute, from build-time values, more than ``per_node``
-    elements (or more than can be told), described for a message; None when there is none. ``proto`` is not
-    changed."""
+    elements, described for a message; None when there is none. ``proto`` is not changed."""
     _, over = _walk(proto, per_node)
     if not over:
         return None
@@ -178,7 +177,11 @@ def _visit(walk: _Walk, node: onnx.NodeProto, proto: onnx.ModelProto) -> bool:
         return True  # computed from run-time data, or not an op the libraries fold
     args = [walk.known[name] if name else None for name in node.input]
     count = _count(op, node, args, all(name in walk.exact for name in inputs))
-    if count is None or (count > walk.per_node if walk.per_node is not None else walk.total + count > MAX_ELEMENTS):
+    if walk.per_node is not None and count is None:
+        # a whole model is about to run: what cannot be told (a Range to a length computed by an op not folded
+        # here, as Whisper's decoder has) runs as it would in the user's application
+        return True
+    if count is None or count > (walk.per_node if walk.per_node is not None else MAX_ELEMENTS - walk.total):
         return False
     walk.total += count
     _fold(walk, node, args, count, all(name in walk.exact for name in inputs))

@@ -249,8 +249,7 @@ def _within_budget(model: onnx.ModelProto, option: str) -> None:
     node = first_oversized(model, RUN_ELEMENTS)
     if node is not None:
         raise InputError(f"{option} would run the model, and its {node} computes from constants more than "
-                         f"{RUN_ELEMENTS:,} elements (or an amount that cannot be told beforehand); run without "
-                         f"{option}")
+                         f"{RUN_ELEMENTS:,} elements; run without {option}")
 
 
 def _check_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
