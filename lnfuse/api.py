@@ -72,7 +72,7 @@ def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None =
 def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *, target: str = "ort",
          verify: bool = True, only: Iterable[str] | None = None, skip: Iterable[str] | None = None,
          upgrade_opset: bool = False, verify_model: bool = False, inputs: dict[str, np.ndarray] | None = None,
-         quantize_embeddings: str | None = None,
+         quantize_embeddings: str | None = None, allow_requantization: bool = False,
          progress: Callable[[float, str], None] | None = None) -> FuseResult:
     """Fuse normalization subgraphs into single ops; every rewrite is verified in ONNX Runtime unless
     ``verify=False``. The input (a path, an ``onnx.ModelProto``, an ``onnx_ir.Model`` or torch's ``ONNXProgram``) is
@@ -90,6 +90,8 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
     ``verify_model=True`` also runs the whole original and fused models (on ``inputs`` or random data).
     ``quantize_embeddings="uint8"|"int8"`` then turns the fused EmbedLayerNormalization nodes into
     QEmbedLayerNormalization and reports the worst difference to the float model.
+    ``allow_requantization=True`` keeps rewrites whose float rounding differs in front of a QuantizeLinear (refused by
+    default: they move quantized values by whole steps for some inputs); the report says how many moved.
     ``progress(fraction, label)`` is called as the work goes on (the CLI draws a bar on a terminal with it).
     """
     if target not in TARGETS:
@@ -100,6 +102,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
     start = time.perf_counter()
     stage = _Stages(progress)
     options = Options(target=target, verify=verify, rules=select_rules(only, skip),
+                      allow_requantization=allow_requantization,
                       progress=stage.part(0.1, 0.85) if progress else None)
     stage(0.0, "reading and checking the model")
     with _cycle_collection_paused():
@@ -118,7 +121,8 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
         io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
         mark_model(loaded.model, report, {"target": target, "verify": verify, "only": sorted(only or []),
                                           "skip": sorted(skip or []), "upgrade_opset": upgrade_opset,
-                                          "verify_model": verify_model, "quantize_embeddings": quantize_embeddings})
+                                          "verify_model": verify_model, "quantize_embeddings": quantize_embeddings,
+                                          "allow_requantization": allow_requantization})
     report.seconds = time.perf_counter() - start
     stage(1.0, "")
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)

@@ -39,6 +39,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upgrade-opset", action="store_true",
                         help="with --target onnx: convert the model to the opset the fused ops need (kept only if "
                              "the whole model still verifies)")
+    parser.add_argument("--allow-requantization", action="store_true",
+                        help="also fuse where the fused op's float rounding reaches a QuantizeLinear (moves "
+                             "quantized values by whole steps for some inputs; the report says how many)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="list every candidate, and every check that failed on the forms tried")
@@ -183,7 +186,8 @@ def _run(command: str, args: argparse.Namespace) -> int:
                   progress=bar,
                   skip=_rules(args.skip), upgrade_opset=args.upgrade_opset,
                   verify_model=getattr(args, "verify", None) == "model", inputs=inputs,
-                  quantize_embeddings=getattr(args, "quantize_embeddings", None))
+                  quantize_embeddings=getattr(args, "quantize_embeddings", None),
+                  allow_requantization=args.allow_requantization)
     report = result.report
     if command == "explain":
         print(report.to_json() if args.json else report.explain(verbose=args.verbose))

@@ -40,6 +40,8 @@ class Options:
     target: str = "ort"
     verify: bool = True
     rules: tuple[Rule, ...] = ()
+    #: keep a verified rewrite whose float rounding difference reaches a quantizer (see ``verify.verify``)
+    allow_requantization: bool = False
     #: called with (fraction of the pass done, what is running) while the pass runs (the CLI draws a bar)
     progress: Callable[[float, str], None] | None = None
 
@@ -379,11 +381,13 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
     for c in candidates:
         for domain, version in c.replacement.opset_imports.items():
             opsets.setdefault(domain, version)
-    outcomes = verify([c.replacement for c in candidates], opsets, model.ir_version, found.position)
+    outcomes = verify([c.replacement for c in candidates], opsets, model.ir_version, found.position,
+                      allow_requantization=options.allow_requantization)
     kept = []
     for c, outcome in zip(candidates, outcomes):
         if outcome.ok:
             kept.append(c)
+            c.notes.extend(q.describe() for q in outcome.requantized)
             _record_fused(c, scope, outcome.max_error, report)
         else:
             refusal = Refusal("verify", f"{c.replacement.op_type} rewrite not applied: {outcome.detail}")

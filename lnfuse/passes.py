@@ -29,14 +29,16 @@ class FusePass(ir.passes.FunctionalPass):
 
     def __init__(self, *, target: str = "ort", verify: bool = True, only: Iterable[str] | None = None,
                  skip: Iterable[str] | None = None, upgrade_opset: bool = False, verify_model: bool = False,
-                 inputs: dict[str, np.ndarray] | None = None, quantize_embeddings: str | None = None):
+                 inputs: dict[str, np.ndarray] | None = None, quantize_embeddings: str | None = None,
+                 allow_requantization: bool = False):
         super().__init__()
         if target not in TARGETS:  # wrong options fail when the pipeline is built, not halfway through it
             raise UsageError(f"unknown target '{target}'; use one of {', '.join(TARGETS)}")
         select_rules(only, skip)
         self.options = dict(target=target, verify=verify, only=list(only or []) or None,
                             skip=list(skip or []) or None, upgrade_opset=upgrade_opset, verify_model=verify_model,
-                            inputs=inputs, quantize_embeddings=quantize_embeddings)
+                            inputs=inputs, quantize_embeddings=quantize_embeddings,
+                            allow_requantization=allow_requantization)
         self.report: Report | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

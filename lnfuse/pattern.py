@@ -26,8 +26,14 @@ from typing import Callable, Iterator, Mapping, Sequence
 import onnx_ir as ir
 
 from lnfuse import algebra
+from lnfuse.constants import static_value
 
 COMMUTATIVE = frozenset({"Add", "Mul"})
+#: the op types ``noop_source`` may find handing their input on unchanged (each is then checked)
+NOOP_OPS = frozenset({"Identity", "Cast", "Reshape", "Dropout"})
+#: how many no-ops one ``ThroughNoOps`` reads through: exporters write one or two; a chain of thousands in front of
+#: a residual must not make every match attempt walk it
+_MAX_NOOPS = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -317,6 +323,96 @@ def _match_twins(leaf: Pattern, twins: tuple, m: Match) -> Iterator[Match]:
         return
     for found in leaf.match(twins[0], m):
         yield from _match_twins(leaf, twins[1:], found)
+
+
+def noop_source(node: ir.Node | None) -> ir.Value | None:
+    """The input that ``node`` hands on as its result unchanged (the same numbers, dtype and shape), or None.
+
+    Provably so, from the graph alone:
+    - ``Identity``;
+    - ``Cast`` to the dtype its input already has;
+    - ``Reshape`` to the input's own shape: a constant target equal to the input's static shape, or
+      ``Shape(data)`` of the very value it reshapes;
+    - ``Dropout`` in inference: no ``training_mode`` input, or a constant false one (the ratio is then unused), and
+      its mask output read by nobody (the mask is a second result a fused op could not give back). An ``is_test=0``
+      attribute (Dropout before opset 7) is training, not a no-op.
+    """
+    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in NOOP_OPS or not node.inputs:
+        return None
+    source = node.inputs[0]
+    if source is None or any(a.is_ref() for a in node.attributes.values()):
+        return None
+    if node.op_type == "Identity":
+        return source
+    if node.op_type == "Cast":
+        to = attr_value(node, "to")
+        return source if to is not None and source.type is not None and source.dtype == ir.DataType(to) else None
+    if node.op_type == "Reshape":
+        return source if len(node.inputs) == 2 and _reshapes_to_own_shape(source, node.inputs[1]) else None
+    mask = node.outputs[1] if len(node.outputs) > 1 else None
+    if mask is not None and (mask.uses() or mask.is_graph_output()) or attr_value(node, "is_test", 1) == 0:
+        return None
+    training = node.inputs[2] if len(node.inputs) > 2 else None
+    if training is not None:
+        flag = static_value(training)
+        if flag is None or flag.size != 1 or bool(flag.reshape(-1)[0]):
+            return None
+    return source
+
+
+def _reshapes_to_own_shape(data: ir.Value, target: ir.Value | None) -> bool:
+    if target is None:
+        return False
+    shaper = target.producer()
+    if shaper is not None and shaper.op_type == "Shape" and shaper.domain in ("", "ai.onnx") \
+            and shaper.inputs[0] is data and attr_value(shaper, "start", 0) == 0 and attr_value(shaper, "end") is None:
+        return True
+    if data.shape is None or not all(isinstance(d, int) for d in data.shape):
+        return False
+    wanted = static_value(target)
+    return wanted is not None and wanted.ndim == 1 and wanted.tolist() == list(data.shape)
+
+
+class ThroughNoOps(Pattern):
+    """``p`` at the value, or at the value a chain of no-ops (``noop_source``) hands on: the no-op nodes are part
+    of the match. The rule decides what their outputs become when something else reads them (they hold p's value)."""
+
+    def __init__(self, inner: Pattern):
+        self.inner = inner
+        self.name = None
+
+    def root_ops(self) -> frozenset[str] | None:
+        inner = self.inner.root_ops()
+        return None if inner is None else inner | NOOP_OPS
+
+    def _match(self, value, m):
+        # farthest first: a Reshape that is a no-op is read through before a pattern takes it for a real one
+        chain = [(value, m)]
+        while len(chain) <= _MAX_NOOPS and value is not None:
+            node = value.producer()
+            value = noop_source(node) if node is not None and node.outputs[0] is value else None
+            if value is not None:
+                m = m.add_node(node, None)
+                chain.append((value, m))
+        for value, m in reversed(chain):
+            yield from self.inner.match(value, m)
+
+
+def through_noops(p: Pattern) -> Pattern:
+    """``p``, seen through any no-ops in front of it (paddle2onnx writes ``Add -> Identity -> Identity -> norm``)."""
+    return ThroughNoOps(p)
+
+
+def noop_outputs(value: ir.Value, source: ir.Value) -> list[ir.Value]:
+    """The outputs of the no-op chain that hands ``source`` on as ``value`` (``value`` included, ``source`` not):
+    each holds ``source``'s tensor."""
+    found = []
+    while value is not source:
+        found.append(value)
+        value = noop_source(value.producer())
+        if value is None:
+            raise ValueError("not a chain of no-ops")
+    return found
 
 
 def maybe_cast(p: Pattern, cast: str, name: str | None = None) -> Pattern:

@@ -12,7 +12,7 @@ import ast
 import itertools
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -58,11 +58,40 @@ _MAX_DIM = 4096
 BUDGET = 256 << 20
 
 
+#: ops a fused output may pass through, element by element, on its way to a QuantizeLinear that is then compared
+#: too: each maps an element to an element, so a rounding difference reaches the quantizer where it stood
+ELEMENTWISE = frozenset({"Identity", "Cast", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "LeakyRelu", "Clip",
+                         "Sigmoid", "HardSigmoid", "Tanh", "Erf", "Exp", "Sqrt", "Pow", "Max", "Min", "Elu", "Selu",
+                         "Softplus", "Gelu", "Where"})
+#: how many elementwise ops the walk to a quantizer crosses: exporters put at most an activation or a scale between
+#: a norm and the QuantizeLinear of the next MatMul
+_QUANT_WALK = 4
+
+
+@dataclass
+class Requantized:
+    """What one QuantizeLinear after a fused region gave on the verification inputs, original against fused."""
+
+    quantizer: str
+    output: str
+    moved: int
+    total: int
+    steps: int
+    float_error: float
+
+    def describe(self) -> str:
+        return (f"'{self.output}' reaches QuantizeLinear '{self.quantizer}': {self.moved} of {self.total} quantized "
+                f"values moved (by up to {self.steps} step(s)) on the verification inputs; the float values it "
+                f"quantizes differ by up to {self.float_error:.3g}")
+
+
 @dataclass
 class Outcome:
     ok: bool
     max_error: float
     detail: str
+    #: the quantizers after the region, compared too; a float difference there may move quantized values
+    requantized: list[Requantized] = field(default_factory=list)
 
 
 class Unverifiable(Exception):
@@ -70,9 +99,14 @@ class Unverifiable(Exception):
 
 
 def verify(replacements: Sequence[Replacement], opsets: dict[str, int], ir_version: int,
-           position: Mapping[ir.Node, float], seed: int = 0) -> list[Outcome]:
+           position: Mapping[ir.Node, float], seed: int = 0, allow_requantization: bool = False) -> list[Outcome]:
     """One outcome per replacement, in order. Batches them; on a batch failure, checks them one by one.
-    ``position`` orders the nodes of the graph the replacements are in."""
+    ``position`` orders the nodes of the graph the replacements are in.
+
+    A region whose output reaches a QuantizeLinear (through a few elementwise ops with constant operands) is also
+    compared after the quantizer. If the float values the quantizer reads differ at all, some input moves a
+    quantized value by a whole step, whether or not the verification inputs happen to: the rewrite is refused
+    unless ``allow_requantization``, and either way the outcome says how many quantized values moved."""
     if not replacements:
         return []
     prepared, outcomes = [], [None] * len(replacements)
@@ -88,7 +122,17 @@ def verify(replacements: Sequence[Replacement], opsets: dict[str, int], ir_versi
         except _Failed:  # isolate the failing region below
             for i, region in batch:
                 outcomes[i] = _alone(region, opsets, ir_version)
-    return outcomes
+    return [_requantization_policy(o, allow_requantization) for o in outcomes]
+
+
+def _requantization_policy(outcome: Outcome, allow: bool) -> Outcome:
+    changed = [q for q in outcome.requantized if q.float_error > 0 or q.moved]
+    if allow or not outcome.ok or not changed:
+        return outcome
+    worst = max(changed, key=lambda q: (q.moved, q.steps, q.float_error))
+    detail = (f"{worst.describe()}; a float difference in front of a quantizer moves quantized values by whole "
+              "steps for some inputs, so the quantized model would change (--allow-requantization fuses anyway)")
+    return Outcome(False, outcome.max_error, detail, outcome.requantized)
 
 
 def _alone(region: "_Region", opsets: dict[str, int], ir_version: int) -> Outcome:
@@ -115,7 +159,8 @@ def _alone(region: "_Region", opsets: dict[str, int], ir_version: int) -> Outcom
     if not measured:
         return _not_run(error)
     failed = [o for o in measured if not o.ok]
-    return Outcome(not failed, max(o.max_error for o in measured), failed[0].detail if failed else "")
+    return Outcome(not failed, max(o.max_error for o in measured), failed[0].detail if failed else "",
+                   [q for o in measured for q in o.requantized])
 
 
 def _not_run(failure: Exception) -> Outcome:
@@ -177,6 +222,13 @@ class _Region:
             else:
                 self.inputs.append(value)
         self.pairs = list(rep.outputs.items())
+        #: (pair index, walked nodes, QuantizeLinear) for each quantizer a fused output reaches
+        self.quantizers = [(i, walk, q) for i, (old, _) in enumerate(self.pairs) for walk, q in _quantizers(old)]
+        for _, walk, q in self.quantizers:
+            for value in (v for n in walk + [q] for v in n.inputs if v is not None and is_static(v)):
+                if value not in seen:
+                    seen.add(value)
+                    self.constants.append(value)
         self.old_nodes = old_nodes
         self.tables = tables
         # integer inputs used as Gather indices get valid indices for their table
@@ -285,6 +337,26 @@ class _Region:
             node_protos.append(onnx.helper.make_node("Cast", [self.prefix + value.name], [name],
                                                      to=onnx.TensorProto.DOUBLE))
             outputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.DOUBLE, None))
+        # the walk to each quantizer, copied per quantizer and reading this side's output: the float values the
+        # quantizer reads and what it makes of them are compared
+        renamed = {old.name: (new if fused else old).name for old, new in self.pairs}
+        for k, (_, walk, q) in enumerate(self.quantizers):
+            tag = f"{self.prefix}q{k}__"
+            own = {v.name for n in walk + [q] for v in n.outputs}
+
+            def local(name: str) -> str:
+                return "" if not name else tag + name if name in own else self.prefix + renamed.get(name, name)
+            for index, node in enumerate(walk + [q]):
+                proto = ir.serde.serialize_node(node)
+                proto.name = f"{tag}n{index}"
+                proto.input[:] = [local(n) for n in proto.input]
+                proto.output[:] = [local(n) for n in proto.output]
+                node_protos.append(proto)
+            for suffix, value in (("float", q.inputs[0]), ("quantized", q.outputs[0])):
+                name = f"{tag}{suffix}"
+                node_protos.append(onnx.helper.make_node("Cast", [local(value.name)], [name],
+                                                         to=onnx.TensorProto.DOUBLE))
+                outputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.DOUBLE, None))
         return node_protos, inputs, outputs, inits
 
     def feed_dict(self) -> dict[str, np.ndarray]:
@@ -474,6 +546,27 @@ def _id_bounds(nodes: Sequence[ir.Node]) -> dict[ir.Value, int]:
     return bounds
 
 
+def _quantizers(value: ir.Value) -> list[tuple[list[ir.Node], ir.Node]]:
+    """Each QuantizeLinear that reads ``value``, directly or through up to ``_QUANT_WALK`` elementwise ops whose
+    other operands are constants (so the walk can be run on its own), with the ops walked; a quantizer whose scale
+    and zero point are not constants is not one the region can be compared through."""
+    found, frontier = [], [(value, [])]
+    for _ in range(_QUANT_WALK + 1):
+        following = []
+        for current, walk in frontier:
+            for reader, index in current.uses():
+                others = [v for i, v in enumerate(reader.inputs) if i != index and v is not None]
+                constant_operands = all(is_static(v) and not _large(v) for v in others)
+                if reader.domain not in ("", "ai.onnx") or not constant_operands or len(reader.outputs) != 1:
+                    continue
+                if reader.op_type == "QuantizeLinear" and index == 0:
+                    found.append((walk, reader))
+                elif reader.op_type in ELEMENTWISE:
+                    following.append((reader.outputs[0], walk + [reader]))
+        frontier = following
+    return found
+
+
 def _reads(nodes: Sequence[ir.Node], produced: set) -> list[ir.Value]:
     return [v for n in nodes for v in n.inputs if v is not None and v not in produced]
 
@@ -555,7 +648,19 @@ def _run(regions: list[_Region], opsets: dict[str, int], ir_version: int) -> lis
             if not passed:
                 ok = False
                 detail = f"output '{old.name}' differs by {err:.3g} (tolerance {atol:g} + {rtol:g}*|x|)"
-        outcomes.append(Outcome(ok, worst, detail))
+        requantized = []
+        for pair, _, q in region.quantizers:
+            (before, after), (q_before, q_after) = [(results[False][index + j], results[True][index + j])
+                                                    for j in (0, 1)]
+            index += 2
+            float_error = float(np.max(np.abs(before - after), initial=0.0)) if before.shape == after.shape \
+                else float("inf")
+            steps = np.abs(q_before - q_after) if q_before.shape == q_after.shape else np.full(1, np.inf)
+            requantized.append(Requantized(q.name or "<unnamed QuantizeLinear>", region.pairs[pair][0].name,
+                                           int(np.count_nonzero(steps)), int(q_before.size),
+                                           int(np.nanmax(steps, initial=0)) if np.isfinite(steps).all() else -1,
+                                           float_error))
+        outcomes.append(Outcome(ok, worst, detail, requantized))
     return outcomes
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.constants import is_static, static_value
-from lnfuse.pattern import Either, Match, Op, Var, attr_value
+from lnfuse.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from ._common import dtype_of, node_name, read_outside, same_dim
 
@@ -116,7 +116,8 @@ class EmbedNorm(Rule):
     anchors = frozenset({"LayerNormalization", "SkipLayerNormalization"})
     targets = frozenset({"ort"})
     reports_fallback = True  # a refused block still becomes a Skip op: the user needs to know why it is not more
-    patterns = (Op("LayerNormalization", _SUM, Var("gamma"), name="norm", extra_inputs=True),
+    # no-ops between the sum and the norm (paddle2onnx's Identity, an inference Dropout) are read through
+    patterns = (Op("LayerNormalization", through_noops(_SUM), Var("gamma"), name="norm", extra_inputs=True),
                 _skip_norm(_INNER, _term(2)), _skip_norm(_term(2), _INNER), _skip_norm(_term(0), _term(1)))
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
@@ -160,16 +161,18 @@ class EmbedNorm(Rule):
                              domain="com.microsoft", num_outputs=3, hint=node_name(norm))
             op_type = "EmbedLayerNormalization"
         outputs = {norm.outputs[0]: fused.outputs[0]}
+        # the sum's value, and the outputs of no-ops read through that hold it, wherever something else reads them
+        read_sums = [v for v in _sum_values(read, norm) if read_outside(v, m.nodes)]
         if op_type == "EmbedLayerNormalization":
             fused.outputs[1].meta[ABSENT] = True
-            if read is not None and read_outside(read, m.nodes):
-                outputs[read] = fused.outputs[2]
+            if read_sums:
+                outputs.update((v, fused.outputs[2]) for v in read_sums)
             else:
                 fused.resize_outputs(1)
-        elif read is not None and read_outside(read, m.nodes):
+        elif read_sums:
             raise Refusal("outputs", "the embedding sum is read elsewhere and QEmbedLayerNormalization has no "
                           "embedding_sum output")
-        for old, new in outputs.items():
+        for old, new in reversed(outputs.items()):  # the sum itself last: its type is the one kept
             new.type, new.shape = old.type, old.shape
         return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
                            region=_region(m), attributes={"epsilon": epsilon}, opset_imports={"com.microsoft": 1},
@@ -187,6 +190,13 @@ def _sum_and_norm(m: Match, norm: ir.Node) -> tuple[ir.Value, ir.Value | None, t
         raise Refusal("bias", f"'{node_name(norm)}' adds a bias to the embedding sum; the kernel adds none")
     total = norm.outputs[3] if len(norm.outputs) > 3 and norm.outputs[3].name else None
     return norm.outputs[0], total, (inputs[2], inputs[3], float(attr_value(norm, "epsilon", 1e-12)))
+
+
+def _sum_values(read: ir.Value | None, norm: ir.Node) -> list[ir.Value]:
+    """The values holding the embedding sum: the sum, then the outputs of the no-ops between it and the norm."""
+    if read is None:
+        return []
+    return [read] + (noop_outputs(norm.inputs[0], read) if norm.op_type == "LayerNormalization" else [])
 
 
 def _region(m: Match) -> list[ir.Node]:

@@ -20,7 +20,7 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.pattern import Either, Match, Op, Var, attr_value
+from lnfuse.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from ._common import dtype_of, node_name, rank_of, read_outside
 
@@ -86,9 +86,11 @@ class SkipNorm(Rule):
     targets = frozenset({"ort"})
     # OPT flattens the sum to [B*S, H] (or back) between the residual and the norm: a norm over the last axis
     # commutes with a Reshape that keeps the last axis, so the kernel runs on the sum as it is and the Reshape moves
-    # after it
-    patterns = (Op(_LAYER + _RMS, Either(SUM, Op("Reshape", SUM, Var("target"), name="reshape", extra_inputs=True)),
-                   Var("gamma"), name="norm", extra_inputs=True),)
+    # after it. Exporters put no-ops between the sum and the norm (paddle2onnx: Identity, Identity; inference
+    # Dropouts; Reshapes and Casts to what the value already is): they are read through, on either side of a Reshape
+    patterns = (Op(_LAYER + _RMS, through_noops(Either(
+        SUM, Op("Reshape", through_noops(SUM), Var("target"), name="reshape", extra_inputs=True))),
+        Var("gamma"), name="norm", extra_inputs=True),)
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
         norm = m.node("norm")
@@ -114,6 +116,10 @@ class SkipNorm(Rule):
         bias = _vector(m.value("bias"), h, dtype, "bias") if m.value("bias") is not None else None
         full_x, skip = _input_and_skip(m.value("a"), m.value("b"), s)
         region = [n for n in m.nodes]
+        # the outputs of the no-ops read through hold the sum (or, after a Reshape, the reshaped sum): a reader
+        # outside takes the fused op's sum as well, so no no-op has to stay behind
+        sum_aliases = noop_outputs(reshape.inputs[0] if reshape is not None else norm.inputs[0], s)
+        reshaped_aliases = noop_outputs(norm.inputs[0], reshape.outputs[0]) if reshape is not None else []
         flat = rank_of(s) == 4
         x, skip, before = _flattened(ctx, full_x, skip, h, node_name(norm)) if flat else (full_x, skip, [])
         epsilon = attr_value(norm, "epsilon", 1e-5)
@@ -135,17 +141,22 @@ class SkipNorm(Rule):
             outputs[s] = fused.outputs[3]
         for old, new in outputs.items():
             new.type, new.shape = old.type, old.shape
+        for alias in sum_aliases:
+            if read_outside(alias, region):
+                outputs[alias] = fused.outputs[3]
+                fused.outputs[3].type, fused.outputs[3].shape = s.type, s.shape
         used = set(outputs.values())
         nodes = before + [fused]
         if flat:
             nodes += _unflattened(ctx, fused, outputs, s, full_x, node_name(norm))
         if reshape is not None:
-            for old, new in ((norm.outputs[0], fused.outputs[0]), (reshape.outputs[0], fused.outputs[3])):
-                if old is norm.outputs[0] or read_outside(old, region):
+            read_reshaped = [v for v in (reshape.outputs[0], *reshaped_aliases) if read_outside(v, region)]
+            for olds, new in (([norm.outputs[0]], fused.outputs[0]), (read_reshaped, fused.outputs[3])):
+                if olds:
                     moved = ctx.node("Reshape", [new, m.value("target")], dict(reshape.attributes),
                                      hint=node_name(reshape))
-                    moved.outputs[0].type, moved.outputs[0].shape = old.type, old.shape
-                    outputs[old] = moved.outputs[0]
+                    moved.outputs[0].type, moved.outputs[0].shape = olds[0].type, olds[0].shape
+                    outputs.update((old, moved.outputs[0]) for old in olds)
                     used.add(new)
                     nodes.append(moved)
             for out in (fused.outputs[0], fused.outputs[3]):  # the kernel runs on the sum's shape
@@ -250,12 +261,14 @@ def _unflattened(ctx: GraphContext, fused: ir.Node, outputs: dict[ir.Value, ir.V
         shape = ctx.node("Shape", [x], hint=hint)
         back, nodes = shape.outputs[0], [shape]
     flat_shape = list(fused.inputs[0].shape)
+    restored_of: dict[ir.Value, ir.Value] = {}  # the sum and the no-ops that held it share one Reshape back
     for old, new in list(outputs.items()):
-        new.type, new.shape = old.type, ir.Shape(flat_shape)
-        restored = _reshape(ctx, new, back, list(s.shape), hint)
-        restored.type = old.type
-        outputs[old] = restored
-        nodes.append(restored.producer())
+        if new not in restored_of:
+            new.type, new.shape = old.type, ir.Shape(flat_shape)
+            restored_of[new] = _reshape(ctx, new, back, list(s.shape), hint)
+            restored_of[new].type = old.type
+            nodes.append(restored_of[new].producer())
+        outputs[old] = restored_of[new]
     return nodes
 
 
