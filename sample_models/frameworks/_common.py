@@ -92,7 +92,20 @@ def save(framework: str, name: str, proto: onnx.ModelProto, inputs: list[np.ndar
     return path
 
 
-def write_versions(framework: str, versions: dict[str, str]) -> None:
+def save_or_record(failed: dict[str, str], framework: str, name: str, proto: onnx.ModelProto,
+                   inputs: list[np.ndarray], expected: np.ndarray, tol: float = 1e-4) -> None:
+    """``save``; when the exporter's output is wrong (ORT refuses it or computes other numbers), keep no file and
+    record why in ``failed`` (written to versions.json as ``not kept: <name>``)."""
+    try:
+        save(framework, name, proto, inputs, expected, tol)
+    except Exception as exc:
+        failed[name] = str(exc).splitlines()[0].replace(str(ROOT) + "/", "")[:300]
+        for suffix in (".onnx", ".npz"):
+            (ROOT / framework / f"{name}{suffix}").unlink(missing_ok=True)
+        print(f"{framework}/{name}: NOT KEPT: {failed[name]}", flush=True)
+
+
+def write_versions(framework: str, versions: dict[str, str], failed: dict[str, str] | None = None) -> None:
     folder = ROOT / framework
     folder.mkdir(parents=True, exist_ok=True)
     record = {"python": platform.python_version(), "numpy": np.__version__, "onnx": onnx.__version__}
@@ -102,5 +115,6 @@ def write_versions(framework: str, versions: dict[str, str]) -> None:
     except ImportError:
         pass
     record.update(versions)
+    record.update({f"not kept: {k}": v for k, v in (failed or {}).items()})
     (folder / "versions.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(framework, record, file=sys.stderr)

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SEED, perturbed, save, write_versions  # noqa: E402
+from _common import SEED, perturbed, save_or_record, write_versions  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import flax.linen as linen  # noqa: E402
@@ -183,15 +183,8 @@ def main() -> None:
     for name, (fn, spec, data) in models.items():
         expected = np.asarray(fn(jnp.asarray(data)))
         proto = to_onnx(fn, spec, model_name=name)
-        try:
-            save("jax2onnx", name, proto, [data], expected)
-        except Exception as exc:  # an exporter bug: recorded, the file is not kept
-            failed[name] = str(exc).splitlines()[0].replace(str(Path(__file__).resolve().parent) + "/", "")[:300]
-            for suffix in (".onnx", ".npz"):
-                (Path(__file__).resolve().parent / "jax2onnx" / f"{name}{suffix}").unlink(missing_ok=True)
-            print(f"jax2onnx/{name}: NOT KEPT: {failed[name]}", flush=True)
-    versions = {k: version(k) for k in ("jax", "jaxlib", "flax", "equinox", "jax2onnx")}
-    write_versions("jax2onnx", {**versions, **{f"not kept: {k}": v for k, v in failed.items()}})
+        save_or_record(failed, "jax2onnx", name, proto, [data], expected)
+    write_versions("jax2onnx", {k: version(k) for k in ("jax", "jaxlib", "flax", "equinox", "jax2onnx")}, failed)
 
 
 if __name__ == "__main__":
