@@ -171,7 +171,7 @@ def _run(model: onnx.ModelProto | Path, feeds: dict[str, np.ndarray]) -> np.ndar
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fused(name: str, target: str) -> lnfuse.FuseResult:
     return lnfuse.fuse(FRAMEWORKS / f"{name}.onnx", target=target)
 

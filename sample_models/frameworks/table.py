@@ -1,5 +1,5 @@
-"""Print the framework zoo's table for docs/exporters.md: framework × exporter × norm kind → what lnfuse writes today,
-or why it leaves the norm (the deciding reason ``lnfuse explain`` gives).
+"""Print the framework zoo's table for docs/exporters.md: framework × exporter × norm kind → what lnfuse writes
+today, or why it leaves the norm (the deciding reason ``lnfuse explain`` gives).
 
 Needs only lnfuse (and onnx); from the repo root:
     python sample_models/frameworks/table.py            # markdown table, then the versions of each folder
