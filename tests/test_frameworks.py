@@ -112,15 +112,10 @@ EXPECTED: dict[str, Case] = {
     "paddle/layernorm_op17": Case(LN, norms=0),  # written as LayerNormalization: nothing to fuse or name
     "paddle/rmsnorm_op11": Case(SLN, centred=False),
     "paddle/rmsnorm_op17": Case(SLN, centred=False),
-    "paddle/residual_layernorm_op11": Case(SKIP, f"residual: {PADDLE_IDENTITY} (the skip rule does not read "
-                                                 f"through Identity)"),
-    "paddle/residual_layernorm_op17": Case(SKIP, f"residual into a native LayerNormalization: {PADDLE_IDENTITY}",
-                                           NO_CANDIDATE),
-    "paddle/embedding_layernorm_op11": Case(EMBED, f"position lookup folded to a [1, S, H] constant; "
-                                                   f"{PADDLE_IDENTITY}"),
-    "paddle/embedding_layernorm_op17": Case(EMBED, f"position lookup folded to a [1, S, H] constant; "
-                                                   f"{PADDLE_IDENTITY} into a native LayerNormalization",
-                                            NO_CANDIDATE),
+    "paddle/residual_layernorm_op11": Case(SKIP),  # the sum reaches the norm through Identity -> Identity
+    "paddle/residual_layernorm_op17": Case(SKIP),  # the same, into a native LayerNormalization
+    "paddle/embedding_layernorm_op11": Case(EMBED),  # position lookup folded to a [1, S, H] constant
+    "paddle/embedding_layernorm_op17": Case(EMBED),
     "paddle/channels_first_op11": Case(LN, "Sub(x, mean) computed twice (no CSE), variance × 1 (Paddle's scale)",
                                        RMS_REASON),
     "paddle/channels_first_op17": Case(LN, "Sub(x, mean) computed twice (no CSE), variance × 1 (Paddle's scale)",
