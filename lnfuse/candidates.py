@@ -14,6 +14,7 @@ in the graph's size, and a graph without reductions costs one pass over its node
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -193,7 +194,7 @@ def _numerator_means(inverse: ir.Node, path: list[ir.Node]) -> list[ir.Node]:
     if inverse.op_type == "Div":
         scaled.append(inverse.inputs[0])
     else:
-        for reader, index in (use for out in inverse.outputs for use in out.uses()):
+        for reader, index in itertools.islice((use for out in inverse.outputs for use in out.uses()), 8):
             if reader.op_type in ("Mul", "Div") and len(reader.inputs) == 2:
                 scaled.append(reader.inputs[1 - index])
     means = []
@@ -220,13 +221,15 @@ def _walk(reduce: ir.Node) -> tuple[ir.Node, list[ir.Node], tuple[ir.Node, list[
     frontier: list[tuple[ir.Value, bool, tuple[ir.Node, ...]]] = [(reduce.outputs[0], rooted, ())]
     seen: set[tuple[ir.Node, bool]] = set()
     one_pass = None
-    while frontier and len(seen) < _FORWARD_NODES:
+    while frontier:
         following = []
         for value, root, path in frontier:
             for reader, index in value.uses():
                 if (reader, root) in seen or reader.domain not in ("", "ai.onnx"):
                     continue
                 seen.add((reader, root))
+                if len(seen) > _FORWARD_NODES:  # a value read by thousands of nodes is no norm's statistic
+                    return None
                 op = reader.op_type
                 if _reaches_inverse(reader, index, root):
                     return reader, [*path, reader], one_pass
