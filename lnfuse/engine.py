@@ -460,9 +460,10 @@ def _record_candidates(scope: Scope, found: list[statistics.Statistics], passes:
         elif stats.rule not in ran:
             unfused = Unfused(stats.rule, scope.path, anchor, "skipped", f"{stats.describe()}: {stats.rule} did not "
                               "run (--only/--skip), and no rule that ran fused it", entry.nodes)
-        else:
-            unfused = Unfused(stats.rule, scope.path, anchor, "spelling",
-                              f"{stats.describe()}: no rule matches this spelling", entry.nodes)
+        else:  # another kind's rule may have matched a part (mean(d²) + eps of d = x - mean): not this norm
+            started = any(n in attempts_of for attempts_of in refused.values() for n in reductions)
+            unfused = Unfused(stats.rule, scope.path, anchor, "spelling", f"{stats.describe()}: no "
+                              f"{stats.rule + ' pattern' if started else 'rule'} matches this spelling", entry.nodes)
         entry.rule, entry.check, entry.reason = unfused.rule, unfused.check, unfused.reason
         report.unfused.append(unfused)
     return accounted
