@@ -210,6 +210,10 @@ def _run(command: str, args: argparse.Namespace) -> int:
             if args.verbose:
                 for o in u.others:
                     print(f"  also refused: [{u.rule}/{o.check}] {o.reason} (a form of {o.matched} nodes)")
+        skipped = [u for u in report.unfused if u.check == "skipped"]
+        if skipped:  # --only/--skip narrows what is fused, not what the gate counts
+            print(f"lnfuse check: {len(skipped)} candidate(s) of rules that did not run "
+                  f"({', '.join(sorted({u.rule for u in skipped}))}) count as left unfused")
         print(f"lnfuse check: {len(report.unfused)} candidate(s) left unfused, "
               f"{sum(report.fused_counts().values())} fusable")
         return 1 if report.unfused else 0

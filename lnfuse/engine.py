@@ -16,12 +16,14 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from lnfuse import candidates as statistics
 from lnfuse.algebra import Cache
 from lnfuse.canonical import canonicalize
 from lnfuse.constants import static_value
 from lnfuse.pattern import Match
 from lnfuse.provenance import mark_fused
-from lnfuse.report import Fused, Refused, Report, Unfused
+from lnfuse.quantized_norms import rounding_reason
+from lnfuse.report import Candidate, Fused, Refused, Report, Unfused
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from lnfuse.shapes import infer_shapes
 from lnfuse.traversal import every_node
@@ -96,6 +98,10 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
         ctx = GraphContext(scope.graph, scope.opset, options.target, scope.path, names)
         removed = canonicalize(scope.graph, ctx.fresh_name)
         report.notes.extend(f"{scope.path}: removed {what}" for what in removed)
+        # found before any rule rewrites the graph: what the report must account for, matched or not
+        found_stats = statistics.find(scope.graph)
+        fused_by: dict[ir.Node, tuple[str, str]] = {}
+        ran: set[str] = set()
         refusals: list[tuple[Rule, _Pass]] = []
         swept = False
         order: _Order | None = None  # shared by the rules' passes until one rewrites the graph
@@ -106,9 +112,12 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             if options.progress is not None:
                 options.progress((step - 1) / steps, f"{scope.path}: {rule.name}")
             order = order or _Order.of(scope.graph)
+            ran.add(rule.name)
             found = find(rule, ctx, order)
             kept = _verified(found.accepted, model, scope, options, report, found)
             for candidate in kept:
+                fused_by.update(dict.fromkeys(candidate.replacement.region,
+                                              (rule.name, candidate.replacement.op_type)))
                 apply(scope.graph, candidate.replacement, found.position, ctx.fresh_name)
                 opsets_used.update(candidate.replacement.opset_imports)
             refusals.append((rule, found))
@@ -118,7 +127,8 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
                 order = None
         if removed and not swept:  # nothing fused here, but what the removals left unread goes too
             cleanup(scope.graph, [])
-        _record_refusals(scope, refusals, report)
+        accounted = _record_candidates(scope, found_stats, refusals, fused_by, ran, report)
+        _record_refusals(scope, refusals, report, accounted)
     for domain, version in opsets_used.items():
         model.opset_imports.setdefault(domain, version)
         for function in model.functions.values():
@@ -420,10 +430,61 @@ def deciding(attempts: list[_Attempt]) -> _Attempt:
     return max(attempts, key=lambda a: (a.stage, a.read, len(a.nodes)))
 
 
-def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Report) -> None:
+def _record_candidates(scope: Scope, found: list[statistics.Statistics], passes: list[tuple[Rule, _Pass]],
+                       fused_by: Mapping[ir.Node, tuple[str, str]], ran: set[str], report: Report) -> set[ir.Node]:
+    """One report entry per norm-like candidate (``lnfuse.candidates``), and an unfused entry for each one left:
+    the deciding refusal of the rule of its kind (a centred norm is explained by layer_norm, never by the RMS
+    formula a centred value also half-matches), or, where that rule's patterns never started on it, what was seen.
+    Returns the reductions accounted for, which no other entry repeats."""
+    refused = {rule.name: found_pass.refused for rule, found_pass in passes}
+    accounted: set[ir.Node] = set()
+    for stats in found:
+        if stats.square.graph is None and stats.square not in fused_by:
+            continue  # removed as unread (nothing reads the norm): nothing is left to fuse
+        reductions = stats.reductions()
+        accounted.update(reductions)
+        anchor = ", ".join(f"{n.op_type} '{_label(n)}'" for n in reductions)
+        entry = Candidate(scope.path, stats.kind, anchor, stats.describe(), [_label(n) for n in stats.nodes],
+                          fused=False, rule=stats.rule)
+        report.candidates.append(entry)
+        attempts = [a for n in reductions for a in refused.get(stats.rule, {}).get(n, [])]
+        consumed = [n for n in reductions if n in fused_by]
+        # a centred norm whose variance was fused as an RMS norm of x - mean, the mean left outside, is not the
+        # LayerNorm it was written as: its rule's refusal still says why
+        if stats.square in fused_by and (len(consumed) == len(reductions) or not attempts):
+            entry.fused, (entry.rule, entry.op_type) = True, fused_by[stats.square]
+            continue
+        if stats.quantizers:  # no rule fuses through rounding, whatever it matched
+            unfused = Unfused("quantized", scope.path, anchor, "quantized", rounding_reason(stats.quantizers),
+                              [_label(n) for n in [*stats.nodes, *stats.quantizers]])
+        elif attempts:
+            decided = deciding(attempts)
+            unfused = Unfused(stats.rule, scope.path, anchor, decided.refusal.check, decided.refusal.detail,
+                              [_label(n) for n in decided.nodes], _others(decided, attempts))
+        elif stats.rule not in ran:
+            unfused = Unfused(stats.rule, scope.path, anchor, "skipped", f"{stats.describe()}: {stats.rule} did not "
+                              "run (--only/--skip), and no rule that ran fused it", entry.nodes)
+        else:  # another kind's rule may have matched a part (mean(d²) + eps of d = x - mean): not this norm
+            started = any(n in attempts_of for attempts_of in refused.values() for n in reductions)
+            unfused = Unfused(stats.rule, scope.path, anchor, "spelling", f"{stats.describe()}: no "
+                              f"{stats.rule + ' pattern' if started else 'rule'} matches this spelling", entry.nodes)
+        entry.rule, entry.check, entry.reason = unfused.rule, unfused.check, unfused.reason
+        report.unfused.append(unfused)
+    return accounted
+
+
+def _others(decided: _Attempt, attempts: list[_Attempt]) -> list[Refused]:
+    """The checks that failed on the forms tried other than the deciding one, once each."""
+    others = {(a.refusal.check, a.refusal.detail): len(a.nodes) for a in attempts if a is not decided
+              and (a.refusal.check, a.refusal.detail) != (decided.refusal.check, decided.refusal.detail)}
+    return [Refused(check, reason, matched) for (check, reason), matched in others.items()]
+
+
+def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Report,
+                     accounted: set[ir.Node] = frozenset()) -> None:
     """One entry per refused candidate still in the graph, with its deciding refusal and the others; where rules
-    disagree on an anchor, the first rule's reason is the one a user needs (a centred norm refused as
-    LayerNormalization is not an RMS near-miss)."""
+    disagree on an anchor, the first rule's reason is the one a user needs. Anchors in ``accounted`` already
+    have their entry (``_record_candidates``)."""
     reported: set[ir.Node] = set()
     for rule, found in passes:
         by_refusal: dict[int, tuple[_Attempt, list[_Attempt], list[ir.Node]]] = {}
@@ -436,15 +497,15 @@ def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Rep
                     report.notes.append(f"{scope.path}: {rule.name} left {anchor.op_type} '{_label(anchor)}' to a "
                                         f"later rule ({decided.refusal.check}: {decided.refusal.detail})")
                 continue
+            if anchor in accounted:
+                continue
             by_refusal.setdefault(id(decided.refusal), (decided, attempts, []))[2].append(anchor)
         for decided, attempts, anchors in by_refusal.values():
             reported.update(anchors)
-            others = {(a.refusal.check, a.refusal.detail): len(a.nodes) for a in attempts if a is not decided
-                      and (a.refusal.check, a.refusal.detail) != (decided.refusal.check, decided.refusal.detail)}
             report.unfused.append(Unfused(
                 rule=rule.name, graph=scope.path, anchor=", ".join(f"{a.op_type} '{a.name}'" for a in anchors),
                 check=decided.refusal.check, reason=decided.refusal.detail, nodes=[_label(n) for n in decided.nodes],
-                others=[Refused(check, reason, matched) for (check, reason), matched in others.items()]))
+                others=_others(decided, attempts)))
 
 
 def apply(graph: ir.Graph | ir.Function, rep: Replacement, position: dict[ir.Node, float],

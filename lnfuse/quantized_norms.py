@@ -33,12 +33,16 @@ def quantized_norms(model: ir.Model, report: Report) -> list[Unfused]:
         rounding = _rounding_before_the_root(node)
         if rounding:
             graph = node.graph.name if node.graph is not None and node.graph is not model.graph else "main"
-            found.append(Unfused(
-                "quantized", graph or "main", f"ReduceMean '{node.name}'", "quantized",
-                f"QuantizeLinear '{rounding[0].name}' (and {len(rounding) - 1} more) rounds the norm's intermediates "
-                "to 8 bits; a fused op would not round them, so fusing would change what the model computes: fuse "
-                "the float model first, then quantize (docs/quantized.md)", [node.name, *(n.name for n in rounding)]))
+            found.append(Unfused("quantized", graph or "main", f"ReduceMean '{node.name}'", "quantized",
+                                 rounding_reason(rounding), [node.name, *(n.name for n in rounding)]))
     return found
+
+
+def rounding_reason(rounding: list[ir.Node]) -> str:
+    """Why a norm with these QuantizeLinear nodes inside stays unfused, and what to do."""
+    return (f"QuantizeLinear '{rounding[0].name}' (and {len(rounding) - 1} more) rounds the norm's intermediates "
+            "to 8 bits; a fused op would not round them, so fusing would change what the model computes: fuse "
+            "the float model first, then quantize (docs/quantized.md)")
 
 
 def _through(value: ir.Value | None) -> ir.Node | None:

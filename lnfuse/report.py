@@ -47,6 +47,25 @@ class Unfused:
 
 
 @dataclass
+class Candidate:
+    """Norm-like statistics found by what they compute (``lnfuse.candidates``), whatever the rules matched: where
+    they are, their kind (``centred``: a LayerNorm's; ``uncentred``: an RMS norm's), what was seen
+    (``statistics``), and what became of them: fused (``rule`` wrote ``op_type``), or left, with the ``check`` and
+    ``reason`` of the matching entry in ``Report.unfused``."""
+
+    graph: str
+    kind: str
+    anchor: str
+    statistics: str
+    nodes: list[str]
+    fused: bool
+    rule: str
+    op_type: str = ""
+    check: str = ""
+    reason: str = ""
+
+
+@dataclass
 class Report:
     source: str
     target: str
@@ -59,6 +78,8 @@ class Report:
     ort_only: bool = False
     seconds: float = 0.0
     model_check: dict | None = None
+    #: every norm-like candidate found independently of the rules, fused or not
+    candidates: list[Candidate] = field(default_factory=list)
 
     def fused_counts(self) -> dict[str, int]:
         """Fused ops in the written model, by type (a norm later folded into a Skip op counts once, as Skip)."""
@@ -158,7 +179,11 @@ class Report:
                           for o in u.others]
             elif u.others:
                 lines.append(f"        ({len(u.others)} other check(s) failed on other forms tried; -v lists them)")
-        if len(lines) == 1:
+        if self.candidates:
+            left = sum(not c.fused for c in self.candidates)
+            lines.append(f"{len(self.candidates)} norm-like statistic(s) found: {len(self.candidates) - left} fused, "
+                         f"{left} left")
+        elif len(lines) == 1:
             lines.append("no normalization-like candidates")
         for note in self.notes:
             lines.append(f"note: {note}")
