@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from lnfuse.budget import MAX_ELEMENTS, elements
+from lnfuse.budget import MAX_ELEMENTS, SIZE_PRODUCING, elements
 from lnfuse.library_budget import hide_oversized, restore
 from lnfuse.traversal import every_node
 
@@ -54,7 +54,7 @@ def _infer(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     unknown (an ``unk__`` per value), ONNX Runtime's symbolic shape inference (Python, ~0.1 ms per node) does it
     instead, and onnx's then fills in what the symbolic pass left open.
     """
-    safe = not _has_huge_input(proto) and not _long_vector(proto)
+    safe = not _has_huge_input(proto) and not _long_vector(proto) and not _sizes_out_of_sight(proto)
     if safe:
         with contextlib.suppress(Exception):
             quick = onnx.shape_inference.infer_shapes(proto, data_prop=True)
@@ -176,6 +176,26 @@ def _complete(graph: onnx.GraphProto) -> bool:
 def _complete_type(tensor: onnx.TypeProto.Tensor) -> bool:
     return bool(tensor.elem_type) and tensor.HasField("shape") and all(
         d.HasField("dim_value") or (d.dim_param and not d.dim_param.startswith("unk__")) for d in tensor.shape.dim)
+
+
+def _sizes_out_of_sight(proto: onnx.ModelProto) -> bool:
+    """Whether a model-local function or an If/Loop/Scan body holds an op that makes a size from its inputs
+    (``budget.SIZE_PRODUCING``). The budget's walk sees the main graph only, and onnx's data propagation runs
+    through function bodies at each call: a Pad of 2**31 inside a function took 24 GB. Such models are inferred
+    without data propagation (which folds nothing, so it allocates nothing for any size)."""
+    bodies = [f.node for f in proto.functions]
+    for node in proto.graph.node:
+        for attr in node.attribute if node.attribute else ():
+            bodies.extend([attr.g.node] if attr.HasField("g") else [])
+            bodies.extend(g.node for g in attr.graphs)
+    while bodies:
+        for node in bodies.pop():
+            if node.op_type in SIZE_PRODUCING:
+                return True
+            for attr in node.attribute if node.attribute else ():
+                bodies.extend([attr.g.node] if attr.HasField("g") else [])
+                bodies.extend(g.node for g in attr.graphs)
+    return False
 
 
 def _has_huge_input(proto: onnx.ModelProto) -> bool:

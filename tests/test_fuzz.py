@@ -1225,6 +1225,15 @@ def run_case_measured(seeds, case: int, root: Path, subprocess_run: bool = False
     return what, code, broken, peak
 
 
+def _fingerprint(path: Path) -> str:
+    """A file's content hash, or for a large one (the campaign also watches the rest of pytest's temporary folder,
+    where other tests leave models of gigabytes) what any write changes: size, modification time and inode."""
+    st = path.stat()
+    if st.st_size > 1 << 20:
+        return f"{st.st_size} {st.st_mtime_ns} {st.st_ino} {st.st_mode:o}"
+    return f"{hashlib.sha256(path.read_bytes()).hexdigest()} {st.st_mode:o}"
+
+
 def _snapshot(root: Path, skip: Path) -> dict[str, str]:
     found = {}
     for dirpath, dirnames, filenames in os.walk(root):
@@ -1234,8 +1243,7 @@ def _snapshot(root: Path, skip: Path) -> dict[str, str]:
             if path.is_symlink():
                 found[str(path)] = "-> " + os.readlink(path)
             elif path.is_file():
-                st = path.stat()
-                found[str(path)] = f"{hashlib.sha256(path.read_bytes()).hexdigest()} {st.st_mode:o}"
+                found[str(path)] = _fingerprint(path)
             else:
                 found[str(path)] = "dir" if path.is_dir() else f"special {path.lstat().st_mode:o}"
     return found
