@@ -227,6 +227,7 @@ def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     directory when a node cannot be inferred, so the loop it runs is run here instead."""
     if not any(i.domain in ("", "ai.onnx") and i.version >= 7 for i in proto.opset_import):
         return None
+    disguised = _undisguise(proto)
     try:
         with _quiet():
             inference = _recording_inference()(2**31 - 1, True, False, 0)
@@ -235,9 +236,37 @@ def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
                 inference._infer_impl()
             inference._update_output_from_vi()
             _rename_assumed_dims(inference.out_mp_, inference.assumed, inference.suggested_merge_)
+            _restore_op_types(inference.out_mp_, disguised)
             return inference.out_mp_
     except Exception:  # noqa: BLE001 - many internal failure types; onnx's inference is the fallback
         return None
+    finally:
+        _restore_op_types(proto, disguised)
+
+
+#: domains whose ops ORT's symbolic inference knows by name
+_KNOWN_DOMAINS = ("", "ai.onnx", "com.microsoft")
+
+
+def _undisguise(proto: onnx.ModelProto) -> dict[str, str]:
+    """Rename, in the main graph, every node of another domain (a model-local function's call, a custom op) so
+    that ORT's symbolic inference, which looks ops up by name alone, cannot take a function named
+    ``LayerNormalization`` for ONNX's op and type its output like the op's first input. Returns the original op
+    types by first output name, for ``_restore_op_types``."""
+    renamed = {}
+    for node in proto.graph.node:
+        if node.domain not in _KNOWN_DOMAINS and node.output:
+            renamed[node.output[0]] = node.op_type
+            node.op_type = f"lnfuse_unknown_{len(renamed)}"
+    return renamed
+
+
+def _restore_op_types(proto: onnx.ModelProto, renamed: dict[str, str]) -> None:
+    if not renamed:
+        return
+    for node in proto.graph.node:
+        if node.output and node.output[0] in renamed and node.op_type.startswith("lnfuse_unknown_"):
+            node.op_type = renamed[node.output[0]]
 
 
 def _ort_symbolic_shape_infer():

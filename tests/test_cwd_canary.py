@@ -159,14 +159,16 @@ def test_fuzz_sample_seeds(box: Sandbox, restore_cwd, fuzz_seeds, seed: str, com
     assert not problems, f"{seed} / {command}:\n  " + "\n  ".join(problems)
 
 
-def _find_external_cases(seeds, wanted: int) -> list[int]:
-    """The first fuzz cases of series 0 that are external-data cases (their folder holds data files and links)."""
-    import random
+def _find_external_cases(fuzz, seeds, scratch: Path, wanted: int) -> list[int]:
+    """The first fuzz cases of series 0 that are external-data cases (their folder holds data files and links), as
+    the fuzzer itself draws them (its original, not structure-aware, half)."""
     found = []
-    for case in range(200):
-        rng = random.Random(case)
-        rng.randrange(len(seeds))
-        if rng.choice(["byte", "field", "field", "utf8", "external"]) == "external":
+    for case in range(400):
+        root = scratch / f"probe{case}"
+        (root / "model").mkdir(parents=True)
+        what, _, _ = fuzz.make_case(seeds, case, root, 0, structured=False)
+        shutil.rmtree(root)
+        if "external" in what:
             found.append(case)
         if len(found) == wanted:
             break
@@ -178,13 +180,13 @@ def test_fuzz_external_cases(tmp_path: Path, restore_cwd, fuzz_seeds):
     runs it (its options), from a seeded and an empty working directory."""
     fuzz = _fuzz()
     seeds = list(fuzz_seeds.items())
-    cases = _find_external_cases(seeds, 4)
+    cases = _find_external_cases(fuzz, seeds, tmp_path, 4)
     assert len(cases) == 4
     failures = []
     for case in cases:
         box = Sandbox(tmp_path / f"c{case}")
         (box.root / "secret").write_bytes(box.canaries.content(256))
-        what, options = fuzz.make_case(seeds, case, box.root, 0)
+        what, options, _ = fuzz.make_case(seeds, case, box.root, 0, structured=False)
         assert "external" in what, what
         model = box.model / "model.onnx"
         seed_cwd(box.cwd, box.model, box.canaries)
