@@ -13,9 +13,11 @@ import onnx_ir as ir
 
 from lnfuse.budget import OverBudget
 from lnfuse.constants import fold, is_static, static_value
-from lnfuse.pattern import Either, Match, Op, Pattern, attr_value, maybe_cast
+from lnfuse.pattern import Either, Match, Op, Pattern, Terms, attr_value, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal
 
+#: reductions that sum without dividing by the count (ReduceSumSquare sums the squares)
+SUMS = ("ReduceSum", "ReduceSumSquare")
 FLOATS = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE)
 _WIDTH = {ir.DataType.FLOAT16: 16, ir.DataType.BFLOAT16: 16, ir.DataType.FLOAT: 32, ir.DataType.DOUBLE: 64}
 
@@ -30,10 +32,26 @@ def mean_over(x: Pattern, name: str) -> Pattern:
 
     torch's dynamo exporter restores the axes of ``torch.var``/``var_mean`` its own way: a Reshape to the kept shape
     and an Expand to that same shape (``broadcast_in_dim``); ``reduced_axes`` proves both change no element."""
-    reduce = Op(("ReduceMean", "ReduceSum"), x, name=name, extra_inputs=True)
+    return _kept(Op(("ReduceMean", "ReduceSum"), x, name=name, extra_inputs=True), x, name)
+
+
+def mean_of_square(d: Pattern, square_name: str, name: str) -> Pattern:
+    """The mean of d², as ``mean_over`` reads it (``Pow(d, 2)``, ``d * d``, a widening Cast of d first), or as
+    ``ReduceSumSquare(d)``, which is ``ReduceSum(d * d)`` by definition (MindSpore's variance
+    ``ReduceSumSquare(x - mean) / N``, jnp.var's ``ReduceSumSquare(x - mean)``): the exponent 2 is then the op's, and
+    the count is divided out as for a ReduceSum."""
+    squared = square(d, square_name)
+    sum_square = Op("ReduceSumSquare", squared[0], name=name, extra_inputs=True)
+    return Either(mean_over(Terms(mono(1, squared)), name), _kept(sum_square, None, name))
+
+
+def _kept(reduce: Pattern, x: Pattern | None, name: str) -> Pattern:
+    """``reduce`` with its axes kept: by keepdims=1, an Unsqueeze or Reshape restoring them, an Expand to the same
+    shape after either, or (for a mean of ``x``) GlobalAveragePool."""
     restored = Op(("Unsqueeze", "Reshape"), reduce, name=f"{name}_unsqueeze", extra_inputs=True)
     expanded = Op("Expand", Either(reduce, restored), name=f"{name}_expand", extra_inputs=True)
-    return Either(reduce, restored, expanded, Op("GlobalAveragePool", x, name=name))
+    forms = [reduce, restored, expanded] + ([Op("GlobalAveragePool", x, name=name)] if x is not None else [])
+    return Either(*forms)
 
 
 def square(d: Pattern, name: str) -> tuple[Pattern, str]:
@@ -98,7 +116,7 @@ def reduced_count(m: Match, name: str) -> int:
     """How many elements a ``mean_over`` match sums without dividing: 1 for a mean, the product of the reduced dims
     for a ReduceSum (which must then be known)."""
     node = m.node(name)
-    if node.op_type != "ReduceSum":
+    if node.op_type not in SUMS:
         return 1
     shape = node.inputs[0].shape
     dims = [] if shape is None else [list(shape)[a] for a in reduced_axes(m, name)]
