@@ -164,7 +164,16 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
     axes = sorted(set(axes))
     keepdims = attr_value(node, "keepdims", 1)
     unsqueeze = m.node(f"{name}_unsqueeze")
-    if unsqueeze is None and not keepdims:
+    restores = m.restores(node.outputs[0])
+    if restores:
+        # re-broadcast with the ops around it (``algebra._viewed``): each Reshape only inserts unit dims, so the
+        # outermost one's shape says where the statistic's rows are
+        if keepdims or unsqueeze is not None:
+            raise Refusal("keepdims", f"Reshape '{restores[0][0].name}' adds axes to {node.op_type} "
+                          f"'{node.name}', which kept them")
+        for chain in restores:
+            _check_same_shape(chain[0].outputs[0], _kept_shape(x, axes), f"Reshape '{chain[0].name}'", node)
+    elif unsqueeze is None and not keepdims:
         raise Refusal("keepdims", f"ReduceMean '{node.name}' drops the reduced axes (keepdims=0)")
     if unsqueeze is not None:
         if keepdims:
@@ -182,7 +191,14 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
 
 
 def agreed_axes(m: Match, names: Iterable[str]) -> tuple[int, ...]:
-    """The axes every reduction of the norm reduces (refused when they disagree)."""
+    """The axes every reduction of the norm reduces (refused when they disagree). A restore the normal form saw
+    (a Reshape inserting unit dims) must sit above one of these statistics: on any other value it changes its rank."""
+    names = tuple(names)
+    statistics = {m.node(n).outputs[0] for n in names if m.node(n) is not None}
+    for value, chain in m.fact("restored", ()):
+        if value not in statistics:
+            raise Refusal("keepdims", f"Reshape '{chain[0].name}' inserts unit dims into '{value.name}', which is "
+                          "not a statistic of the norm")
     first, axes = None, None
     for name in names:
         if m.node(name) is None:
