@@ -39,7 +39,7 @@ VIEWS = frozenset({"Expand", "Reshape"})
 #: reductions the proofs of ``_guarded`` read (what each computes per slice of the reduced axes)
 _REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceMin", "ReduceMax"})
 #: ops whose result is a multiple of a power of one input (seen through when a factor is matched)
-POWERS = frozenset({"Sqrt", "Reciprocal", "Pow", "Div", "Mul", "Neg"})
+POWERS = frozenset({"Sqrt", "Reciprocal", "Pow", "Div", "Mul", "Neg", "Identity"})
 _MAX_TERMS = 8
 _MAX_CHAIN = 48
 _KEY_DEPTH = 4
@@ -98,12 +98,15 @@ def expand(value: ir.Value, cache: Cache | None = None) -> Expansion:
 
 
 def power_view(value: ir.Value, static: dict | None = None) -> tuple[ir.Value, Fraction, float, ir.Node] | None:
-    """``(base, p, c, node)`` when ``value`` is ``c * base ** p`` by one node: Sqrt, Reciprocal, Pow, Div(1, base),
-    Neg, or a product or quotient with a one-element constant (``ReduceSum(x) / N``)."""
+    """``(base, p, c, node)`` when ``value`` is ``c * base ** p`` by one node: Identity, Sqrt, Reciprocal, Pow,
+    Div(1, base), Neg, or a product or quotient with a one-element constant (``ReduceSum(x) / N``)."""
     node = value.producer()
     if node is None or not _is_onnx(node) or node.op_type not in POWERS or node.outputs[0] is not value:
         return None
     ins = node.inputs
+    if node.op_type == "Identity":
+        # paddle2onnx writes one after nearly every op: a mean read by two twin Subs is an Identity's output
+        return ins[0], Fraction(1), 1.0, node
     if node.op_type == "Sqrt":
         return ins[0], Fraction(1, 2), 1.0, node
     if node.op_type == "Reciprocal":

@@ -42,7 +42,11 @@ def mean_of_square(d: Pattern, square_name: str, name: str) -> Pattern:
     the count is divided out as for a ReduceSum."""
     squared = square(d, square_name)
     sum_square = Op("ReduceSumSquare", squared[0], name=name, extra_inputs=True)
-    return Either(mean_over(Terms(mono(1, squared)), name), _kept(sum_square, None, name))
+    # Equinox averages the squares in float64 and rounds the mean back: Cast(ReduceMean(Cast(d², double)), float)
+    # (``check_statistic_precision``)
+    wide = maybe_cast(Terms(mono(1, squared)), f"{name}_wide")
+    statistic = Either(mean_over(wide, name), _kept(sum_square, None, name))
+    return Either(Op("Cast", statistic, name=f"{name}_narrow"), statistic)
 
 
 def _kept(reduce: Pattern, x: Pattern | None, name: str) -> Pattern:
@@ -263,6 +267,25 @@ def scalar(m: Match, name: str, what: str) -> float:
     if np.ndim(array) > (rank if rank is not None else 1):
         raise Refusal(what, f"{what} '{value.name}' has shape {list(np.shape(array))}, which raises the rank")
     return float(flat[0])
+
+
+def check_statistic_precision(m: Match, name: str) -> None:
+    """A statistic computed in a wider float and rounded back to the dtype it was computed from
+    (``Cast(ReduceMean(Cast(d², double)), float)``) is the same statistic, more precisely rounded: the fused op
+    computes it at its stash_type precision instead, and the two differ only by the rounding of the sum, which
+    verification measures like any fusion's. A rounding Cast alone, or a widening one never rounded back, computes
+    the norm in another precision: refused."""
+    wide, narrow = m.node(f"{name}_wide"), m.node(f"{name}_narrow")
+    if wide is None and narrow is None:
+        return
+    if wide is None or narrow is None:
+        cast = narrow or wide
+        raise Refusal("dtype", f"Cast '{node_name(cast)}' changes the precision of the statistic "
+                      f"({dtype_of(cast.inputs[0])} to {cast_target(cast)}) without the Cast that undoes it")
+    source = dtype_of(wide.inputs[0])
+    if not is_widening(source, cast_target(wide)) or cast_target(narrow) != source:
+        raise Refusal("dtype", f"the statistic is computed in {cast_target(wide)} from {source} and cast to "
+                      f"{cast_target(narrow)}: not a wider computation of the same statistic")
 
 
 def check_exponent(m: Match, name: str, expected: float, what: str = "exponent") -> None:

@@ -15,8 +15,8 @@ from lnfuse.constants import static_value
 from lnfuse.pattern import Either, Match, Op, Terms, Var, attr_value, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
-                      check_mean_scale, epsilon, kept_dims, mean_of_square, mean_over, node_name, param_as, rank_of, read_outside,
-                      readers_outside, square, trailing_axes)
+                      check_mean_scale, check_statistic_precision, epsilon, kept_dims, mean_of_square, mean_over,
+                      node_name, param_as, rank_of, read_outside, readers_outside, square, trailing_axes)
 from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
                     expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
                     stash_type, var_plus_eps)
@@ -104,6 +104,7 @@ class LayerNorm(Rule):
         for name in ("sq", "xsq", "msq"):
             check_exponent(m, name, 2.0)
         check_inverse(m)
+        check_statistic_precision(m, "var")
         check_inner_casts(m, ("sq_cast", "xsq_cast", "msq_cast", "d_cast"))
         scale = check_scales(m, ("scale_x",)) * float(m.fact("d_x", 1.0))
         if scale < 0:

@@ -53,8 +53,8 @@ RMS = {"RMSNormalization": 1}               # ONNX's, from opset 23
 SKIP = {"SkipLayerNormalization": 1}
 EMBED = {"EmbedLayerNormalization": 1}
 
-EQX_LN = ("jax2onnx's Equinox LayerNorm: centred value behind Where(min == max ∧ mean − mean == 0, 0, x − mean), "
-          "variance as Cast(float64) → ReduceMean → Cast(float32)")
+EQX_EMBED = ("jax2onnx's vmapped Equinox lookups: the LayerNorm fuses (constant-row guard, float64 variance), the "
+             "embedding rule forms only a SkipLayerNormalization")
 JAX2TF_STATS = ("ReduceSum(keepdims=0) × 1/N re-broadcast by Reshape + Expand to a run-time shape "
                 "(Concat(Slice(Shape(x)), …) → Cast)")
 NO_CANDIDATE = "explain says 'no normalization-like candidates'"
@@ -72,10 +72,10 @@ EXPECTED: dict[str, Case] = {
     "jax2onnx/flax_rmsnorm": Case(RMS, centred=False),
     "jax2onnx/flax_residual_layernorm": Case(SKIP),
     "jax2onnx/flax_embedding_layernorm": Case(EMBED),
-    "jax2onnx/eqx_layernorm": Case(LN, EQX_LN, RMS_REASON),
+    "jax2onnx/eqx_layernorm": Case(LN),
     "jax2onnx/eqx_rmsnorm": Case(RMS, centred=False),
-    "jax2onnx/eqx_residual_layernorm": Case(SKIP, EQX_LN, NO_CANDIDATE),
-    "jax2onnx/eqx_embedding_layernorm": Case(EMBED, EQX_LN, NO_CANDIDATE),
+    "jax2onnx/eqx_residual_layernorm": Case(SKIP),
+    "jax2onnx/eqx_embedding_layernorm": Case(EMBED, EQX_EMBED),
     "jax2onnx/jnp_layernorm": Case(LN),
     "jax2onnx/jnp_channels_first": Case(LN),
     # ---- jax2tf (jax 0.4.30, non-native) + tf2onnx 1.17 (opset 17)
@@ -110,10 +110,8 @@ EXPECTED: dict[str, Case] = {
     "paddle/residual_layernorm_op17": Case(SKIP),  # the same, into a native LayerNormalization
     "paddle/embedding_layernorm_op11": Case(EMBED),  # position lookup folded to a [1, S, H] constant
     "paddle/embedding_layernorm_op17": Case(EMBED),
-    "paddle/channels_first_op11": Case(LN, "Sub(x, mean) computed twice (no CSE), variance × 1 (Paddle's scale)",
-                                       RMS_REASON),
-    "paddle/channels_first_op17": Case(LN, "Sub(x, mean) computed twice (no CSE), variance × 1 (Paddle's scale)",
-                                       RMS_REASON),
+    "paddle/channels_first_op11": Case(LN),  # Sub(x, mean) twice behind Identities, variance × 1
+    "paddle/channels_first_op17": Case(LN),
     # ---- MindSpore 2.10 (opset 11, static shapes)
     "mindspore/layernorm": Case(LN),
     "mindspore/rmsnorm": Case(SLN, centred=False),
