@@ -127,6 +127,10 @@ class LayerNorm(Rule):
             gamma, beta = layout_params(m, ctx, b, k, scale, channel)
         mean = kept_dims(m, "mean")
         exposed_mean = [mean] if read_outside(mean, region) else []
+        if exposed_mean and rank_of(mean) != rank_of(x):
+            # a keepdims=0 mean re-broadcast by the ops around it: the fused op's Mean has the kept shape
+            raise Refusal("intermediate", f"the mean '{mean.name}' is read elsewhere without its reduced axes, "
+                          "and the fused op's Mean keeps them")
         exposed_inv, absorbed = inverse_std_readers(m, region)
         region += absorbed
         flattened = m.node("unflatten") is not None
