@@ -29,8 +29,17 @@ import onnx_ir as ir
 from lnfuse.constants import is_static, static_value
 
 CHAIN = frozenset({"Add", "Sub", "Neg", "Mul", "Div", "Reciprocal", "Pow", "Sqrt", "Identity"})
+#: ops that hand on one operand unchanged where a proof says so (``_guarded``): clamps at 0 of a quantity that is
+#: >= 0, and Where whose condition is known or implies the other branch equals the one taken
+GUARDS = frozenset({"Max", "Relu", "Clip", "Where"})
+#: ops that only move elements (``_viewed``): an Expand to its input's own shape, a Reshape that only inserts unit
+#: dims. (An Unsqueeze after the inverse root is the rules' own form, ``inverse_sqrt``: it restores the axes of a
+#: variance it does not read directly.)
+VIEWS = frozenset({"Expand", "Reshape"})
+#: reductions the proofs of ``_guarded`` read (what each computes per slice of the reduced axes)
+_REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceMin", "ReduceMax"})
 #: ops whose result is a multiple of a power of one input (seen through when a factor is matched)
-POWERS = frozenset({"Sqrt", "Reciprocal", "Pow", "Div", "Mul", "Neg"})
+POWERS = frozenset({"Sqrt", "Reciprocal", "Pow", "Div", "Mul", "Neg", "Identity"})
 _MAX_TERMS = 8
 _MAX_CHAIN = 48
 _KEY_DEPTH = 4
@@ -46,6 +55,9 @@ class Factor:
     value: ir.Value
     exponent: Fraction
     twins: tuple[ir.Value, ...] = ()
+    #: Reshapes/Unsqueezes above this factor that only insert unit dims, outermost first: the factor stands for
+    #: ``restores(value) ** exponent`` (the keepdims=0 statistics that jax2tf and jnp re-broadcast as a whole)
+    restores: tuple[ir.Node, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,12 +98,15 @@ def expand(value: ir.Value, cache: Cache | None = None) -> Expansion:
 
 
 def power_view(value: ir.Value, static: dict | None = None) -> tuple[ir.Value, Fraction, float, ir.Node] | None:
-    """``(base, p, c, node)`` when ``value`` is ``c * base ** p`` by one node: Sqrt, Reciprocal, Pow, Div(1, base),
-    Neg, or a product or quotient with a one-element constant (``ReduceSum(x) / N``)."""
+    """``(base, p, c, node)`` when ``value`` is ``c * base ** p`` by one node: Identity, Sqrt, Reciprocal, Pow,
+    Div(1, base), Neg, or a product or quotient with a one-element constant (``ReduceSum(x) / N``)."""
     node = value.producer()
     if node is None or not _is_onnx(node) or node.op_type not in POWERS or node.outputs[0] is not value:
         return None
     ins = node.inputs
+    if node.op_type == "Identity":
+        # paddle2onnx writes one after nearly every op: a mean read by two twin Subs is an Identity's output
+        return ins[0], Fraction(1), 1.0, node
     if node.op_type == "Sqrt":
         return ins[0], Fraction(1, 2), 1.0, node
     if node.op_type == "Reciprocal":
@@ -156,7 +171,8 @@ def _is_onnx(node: ir.Node) -> bool:
 
 
 def _is_chain(node: ir.Node | None) -> bool:
-    return node is not None and _is_onnx(node) and node.op_type in CHAIN and len(node.outputs) == 1
+    return node is not None and _is_onnx(node) and node.op_type in CHAIN | GUARDS | VIEWS and \
+        len(node.outputs) == 1
 
 
 def _chain(root: ir.Value, static: dict | None) -> set[ir.Node]:
@@ -253,7 +269,20 @@ def _expand_node(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
     ins = node.inputs
     if op == "Identity":
         return _expand(ins[0], walk)
+    if op in GUARDS:
+        return _guarded(node, walk)
+    if op in VIEWS:
+        return _viewed(node, walk)
     if op in ("Add", "Sub"):
+        for i in (1, 0):
+            # x + 0 and x - 0 are the number x for every x (NaN and infinities included), when the zeros do not
+            # broadcast the result beyond x: Flax's RMSNorm through jax2tf subtracts a zero mean expanded to a
+            # run-time shape. A constant zero stays a term: it is a rule's parameter (epsilon 0 is accepted).
+            if not is_static(ins[i], 0, walk.static) and uniform(ins[i], walk.static) == 0 and \
+                    _same_shape(node.outputs[0], ins[1 - i]):
+                _take_cone([ins[i]], node, walk)
+                other = _expand(ins[1 - i], walk)
+                return other if i == 1 or op == "Add" else _scaled(other, -1.0)
         a, b = _expand(ins[0], walk), _expand(ins[1], walk)
         return a + (b if op == "Add" else _scaled(b, -1.0))
     if op == "Neg":
@@ -316,7 +345,7 @@ def _power(terms: list[Monomial], p: Fraction) -> list[Monomial] | None:
     if not all(power_ok(f.exponent, p) for f in t.factors):
         return None
     coef = float(t.coef ** float(p)) if p.denominator != 1 else float(Fraction(t.coef) ** p)
-    return [Monomial(coef, tuple(Factor(f.value, f.exponent * p, f.twins) for f in t.factors))]
+    return [Monomial(coef, tuple(Factor(f.value, f.exponent * p, f.twins, f.restores) for f in t.factors))]
 
 
 def _merge(factors: tuple[Factor, ...]) -> tuple[Factor, ...] | None:
@@ -325,7 +354,7 @@ def _merge(factors: tuple[Factor, ...]) -> tuple[Factor, ...] | None:
     merged: list[Factor] = []
     keys: list[tuple] = []
     for f in factors:
-        k = key(f.value)
+        k = (key(f.value), tuple(id(r) for r in f.restores))
         if k in keys:
             i = keys.index(k)
             old = merged[i]
@@ -333,7 +362,7 @@ def _merge(factors: tuple[Factor, ...]) -> tuple[Factor, ...] | None:
                 return None
             twins = old.twins + ((f.value,) if f.value is not old.value and f.value not in old.twins else ()) + \
                 tuple(t for t in f.twins if t not in old.twins)
-            merged[i] = Factor(old.value, old.exponent + f.exponent, twins)
+            merged[i] = Factor(old.value, old.exponent + f.exponent, twins, old.restores)
         else:
             keys.append(k)
             merged.append(f)
@@ -347,3 +376,325 @@ def _merge_ok(a: Fraction, b: Fraction) -> bool:
     if a.denominator == 1 and b.denominator == 1:
         return True
     return (a + b).denominator != 1
+
+
+# ---- guards and views: ops that are the identity where a proof says so --------------------------------------------
+# Each is read through only when the proof holds for every real input; otherwise the op's result stays a unit (a
+# leaf), exactly as before. What is proved is the value in exact arithmetic: a clamp at 0 of E[x²] - E[x]² only acts
+# on rounding error, which the fused op (a two-pass variance, never negative) does not make in the first place.
+
+#: ops whose result holds the elements of their first input, rearranged or repeated
+_MOVES = frozenset({"Expand", "Reshape", "Unsqueeze", "Squeeze", "Identity", "Flatten", "Tile", "Transpose"})
+
+
+def uniform(value: ir.Value | None, static: dict | None = None, depth: int = 0) -> float | None:
+    """The number every element of ``value`` holds, when one number fills it: a small constant of equal elements,
+    ``ConstantOfShape``, or a move (Expand, Reshape...) of such a value to any shape, run-time shapes included.
+    Large constants are not read (None)."""
+    if value is None or depth > _KEY_DEPTH * 2:
+        return None
+    node = value.producer()
+    if node is not None and _is_onnx(node) and node.op_type in _MOVES and node.outputs[0] is value:
+        return uniform(node.inputs[0], static, depth + 1)
+    if node is not None and _is_onnx(node) and node.op_type == "ConstantOfShape":
+        fill = node.attributes.get("value")
+        if fill is None:
+            return 0.0
+        array = fill.value.numpy() if not fill.is_ref() else None
+        return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
+    shape = value.shape
+    if shape is None or not shape.is_static() or int(np.prod([int(d) for d in shape])) > _SMALL_CONSTANT:
+        return None
+    array = static_value(value, static)
+    if array is None or array.size == 0 or array.dtype.kind not in "fiub":
+        return None
+    flat = np.asarray(array, dtype=np.float64).reshape(-1)
+    return float(flat[0]) if np.all(flat == flat[0]) else None
+
+
+def _dims_equal(a, b) -> bool:
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a is not None and b is not None and a.value is not None and a.value == b.value
+
+
+def _same_shape(a: ir.Value, b: ir.Value) -> bool:
+    """The two values have one shape: known dims equal, symbolic dims the same named symbol."""
+    if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
+        return False
+    return all(_dims_equal(x, y) for x, y in zip(a.shape, b.shape))
+
+
+def _viewed(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
+    """An Expand to its input's own shape is its input, element for element. A Reshape or Unsqueeze that only
+    inserts unit dims (``Reshape(ReduceSum(x, keepdims=0), [B, S, 1])``: the axes a statistic dropped, restored)
+    commutes with the elementwise ops under it, so its input's monomials are kept, each factor marked as restored by
+    it; the rules prove a restore puts back exactly the axes its statistic reduced. Every factor must have the
+    Reshape's input shape: a factor that broadcasts under it would be reshaped differently alone."""
+    source = node.inputs[0]
+    if source is None:
+        return None
+    if node.op_type == "Expand":
+        return _expand(source, walk) if _same_shape(node.outputs[0], source) else None
+    if not _inserts_unit_dims(node):
+        return None
+    terms = _expand(source, walk)
+    for t in terms:
+        if not all(_same_shape(f.value, source) for f in t.factors):
+            return None
+    return [Monomial(t.coef, tuple(Factor(f.value, f.exponent, f.twins, (node,) + f.restores) for f in t.factors))
+            for t in terms]
+
+
+def _inserts_unit_dims(node: ir.Node) -> bool:
+    """The output's dims are the input's with unit dims inserted (a Reshape never reorders elements, so these
+    are the input's elements, each row where the kept statistic has it)."""
+    source, out = node.inputs[0], node.outputs[0]
+    if source.shape is None or out.shape is None or len(out.shape) <= len(source.shape):
+        return False
+    have, want = list(source.shape), list(out.shape)
+    i = 0
+    for d in want:
+        if i < len(have) and _dims_equal(d, have[i]):
+            i += 1
+        elif d != 1:
+            return False
+    return i == len(have)
+
+
+def _guarded(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
+    op, ins = node.op_type, node.inputs
+    if op == "Where":
+        return _where(node, walk)
+    operand = _clamped_at_zero(node, walk.static)
+    if operand is None or not _same_shape(node.outputs[0], operand):
+        return None
+    terms = _expand(operand, walk)
+    # max(v, 0) = v exactly where v >= 0: the clamp is read through only when v's normal form proves it
+    return terms if nonnegative(terms, walk.static) else None
+
+
+def _clamped_at_zero(node: ir.Node, static: dict | None) -> ir.Value | None:
+    """v when the node is ``Max(v, 0)`` (either order), ``Relu(v)`` or ``Clip(v, 0)`` with no upper bound (or +inf)."""
+    ins = [v for v in node.inputs]
+    if node.op_type == "Relu":
+        return ins[0]
+    if node.op_type == "Max" and len(ins) == 2 and None not in ins:
+        for i in (0, 1):
+            c = _scalar(ins[i], node, static)
+            if c is not None and c == 0:
+                return ins[1 - i]
+        return None
+    if node.op_type == "Clip" and ins and ins[0] is not None:
+        low = ins[1] if len(ins) > 1 else None
+        high = ins[2] if len(ins) > 2 else None
+        lo = _scalar(low, node, static) if low is not None else node.attributes.get("min")
+        lo = lo.value if isinstance(lo, ir.Attr) else lo
+        if high is not None:
+            array = static_value(high, static)
+            if array is None or array.size != 1 or float(array.reshape(-1)[0]) != np.inf:
+                return None
+        elif "max" in node.attributes and node.attributes["max"].value != np.inf:
+            return None
+        return ins[0] if lo is not None and float(lo) == 0 else None
+    return None
+
+
+def _where(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
+    """``Where(c, a, b)`` is a where c is known true everywhere (jnp.var's ``Where(N - ddof > 0, var, NaN)``), b
+    where known false; and ``Where(c, 0, d)`` is d when c implies d = 0 (Equinox's guard of constant rows,
+    ``Where(min(x) == max(x) ∧ ..., 0, x - mean(x))``: where a row of x is constant, x - mean(x) is 0 in exact
+    arithmetic, so both branches are the same number). Never when c or the other branch broadcasts the result
+    beyond the branch taken."""
+    cond, a, b = node.inputs
+    if None in (cond, a, b):
+        return None
+    known = static_value(cond, walk.static) if is_static(cond, 0, walk.static) else None
+    if known is not None and known.size > 0 and known.dtype == np.bool_ and (np.all(known) or not np.any(known)):
+        taken = a if np.all(known) else b
+        if not _same_shape(node.outputs[0], taken):
+            return None
+        _take_cone([cond, b if taken is a else a], node, walk)
+        return _expand(taken, walk)
+    if uniform(a, walk.static) == 0 and _same_shape(node.outputs[0], b):
+        terms = _expand(b, walk)
+        centred = _centred(terms, walk.static)
+        if centred is not None and _implies_constant(cond, centred, walk.static):
+            _take_cone([cond, a], node, walk)
+            return terms
+    return None
+
+
+#: the most nodes a guard's proof may take with it into the region
+_MAX_CONE = 32
+
+
+def _take_cone(values: list[ir.Value], guard: ir.Node, walk: _Walk) -> None:
+    """The nodes computing what a guard reads but no longer hands on (its condition, the branch not taken, the
+    zeros): they go with the region when nothing else reads them, so the region still computes its result from the
+    same inputs (and verification does not feed them random numbers). A node read elsewhere stays, its result an
+    input of the region."""
+    cone: list[ir.Node] = []
+    todo = [v.producer() for v in values if v is not None]
+    while todo and len(cone) < _MAX_CONE:
+        node = todo.pop(0)
+        if node is None or node in cone or node in walk.nodes or not _is_onnx(node) or \
+                any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+            continue
+        if any(out.is_graph_output() or any(user is not guard and user not in cone for user, _ in out.uses())
+               for out in node.outputs):
+            continue
+        cone.append(node)
+        todo.extend(v.producer() for v in node.inputs if v is not None)
+    walk.nodes.extend(cone)
+
+
+def _centred(terms: list[Monomial], static: dict | None) -> tuple[tuple, tuple] | None:
+    """(key of x, (axes, keepdims)) when the terms are x - mean(x): ``x`` and the mean of the same x, restored or
+    kept, with coefficients 1 and -1."""
+    if len(terms) != 2:
+        return None
+    for x_term, m_term in (terms, terms[::-1]):
+        if len(x_term.factors) != 1 or len(m_term.factors) != 1 or x_term.coef != 1:
+            continue
+        (xf,), (mf,) = x_term.factors, m_term.factors
+        if xf.exponent != 1 or xf.restores:
+            continue
+        found = _moment(mf, m_term.coef, static)
+        if found is not None and found[1] == 1 and found[2] == Fraction(1) and abs(found[3] + 1) <= 1e-6 and \
+                found[0] == key(xf.value):
+            return found[0], found[4]
+    return None
+
+
+def _implies_constant(cond: ir.Value, centred: tuple, static: dict | None) -> bool:
+    """c implies that the row of x is constant and finite, so x - mean(x) is 0 there: c is an ``And`` (any nesting,
+    any further conjuncts, which only make c true in fewer places) of ``Equal(ReduceMin(x), ReduceMax(x))`` over the
+    mean's axes, kept, and ``Equal(m - m, 0)`` with m the mean (or a multiple): m - m is 0 exactly when m is finite.
+    Without the second, a row of equal infinities would give 0 where x - mean(x) is NaN."""
+    conjuncts, todo = [], [cond]
+    while todo and len(conjuncts) < _MAX_TERMS:
+        value = todo.pop()
+        node = value.producer() if value is not None else None
+        if node is not None and _is_onnx(node) and node.op_type == "And" and None not in node.inputs:
+            todo.extend(node.inputs)
+        elif node is not None and _is_onnx(node) and node.op_type == "Equal" and len(node.inputs) == 2 and \
+                None not in node.inputs:
+            conjuncts.append(node)
+    x_key, where = centred
+    constant = finite = False
+    for node in conjuncts:
+        found = [_reduction(v.producer(), static) for v in node.inputs]
+        if None not in found and {found[0][0], found[1][0]} == {"ReduceMin", "ReduceMax"}:
+            # kept dims: the extrema broadcast onto the rows they were taken over
+            constant = constant or all(key(f[3]) == x_key and f[1] == where[0] and f[2] == 1 for f in found)
+            continue
+        for diff, zero in (node.inputs, node.inputs[::-1]):
+            sub = diff.producer()
+            if uniform(zero, static) != 0 or sub is None or not _is_onnx(sub) or sub.op_type != "Sub" or \
+                    key(sub.inputs[0]) != key(sub.inputs[1]):
+                continue
+            mean = _moment(Factor(sub.inputs[0], Fraction(1)), 1.0, static)
+            finite = finite or (mean is not None and mean[:3] == (x_key, 1, 1) and mean[3] != 0 and
+                                mean[4][0] == where[0])
+    return constant and finite
+
+
+def _reduction(node: ir.Node | None, static: dict | None) -> tuple[str, tuple, int, ir.Value] | None:
+    """(op, axes as negative numbers, keepdims, input) of a reduction over known axes."""
+    if node is None or not _is_onnx(node) or node.op_type not in _REDUCTIONS or not node.inputs or \
+            node.inputs[0] is None or node.inputs[0].shape is None:
+        return None
+    rank = len(node.inputs[0].shape)
+    attr = node.attributes.get("axes")
+    if attr is not None:
+        axes = list(attr.value)
+    elif len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = static_value(node.inputs[1], static)
+        if array is None:
+            return None
+        axes = array.reshape(-1).tolist()
+    else:
+        axes = []
+    if not axes:
+        noop = node.attributes.get("noop_with_empty_axes")
+        if noop is not None and noop.value:
+            return None
+        axes = list(range(rank))
+    if any(not -rank <= int(a) < rank for a in axes):
+        return None
+    keep = node.attributes.get("keepdims")
+    return node.op_type, tuple(sorted({int(a) % rank - rank for a in axes})), \
+        1 if keep is None else int(keep.value), node.inputs[0]
+
+
+def _moment(factor: Factor, coef: float, static: dict | None) -> tuple | None:
+    """``coef * factor`` as ``c * E[b ** p] ** e`` over some axes: (key of b, p, e, c, (axes, keepdims, restores)),
+    seen through the scalings and powers that compute the factor (``ReduceSum(x) / N`` is the mean when N is the
+    count of the reduced elements)."""
+    value, exponent = factor.value, factor.exponent
+    for _ in range(_MAX_CHAIN):
+        node = value.producer()
+        found = _reduction(node, static)
+        if found is not None:
+            break
+        view = power_view(value, static)
+        if view is None or not power_ok(view[1], exponent):
+            return None
+        base, p, c, _ = view
+        if exponent.denominator != 1 and c <= 0:
+            return None
+        coef *= float(c ** float(exponent)) if exponent.denominator != 1 else float(Fraction(c) ** exponent)
+        value, exponent = base, p * exponent
+    else:
+        return None
+    op, axes, keepdims, summand = found
+    if op not in ("ReduceMean", "ReduceSum", "ReduceSumSquare"):
+        return None
+    count = 1
+    if op != "ReduceMean":
+        dims = [list(summand.shape)[a] for a in axes]
+        if not all(isinstance(d, int) for d in dims) or int(np.prod(dims)) == 0:
+            return None
+        count = int(np.prod(dims))
+    base, power = summand, Fraction(1)
+    if op == "ReduceSumSquare":
+        power = Fraction(2)
+    else:
+        inner = _expand(summand, _Walk(_chain(summand, static), static))
+        if len(inner) == 1 and inner[0].coef == 1 and len(inner[0].factors) == 1 and not inner[0].factors[0].restores:
+            base, power = inner[0].factors[0].value, inner[0].factors[0].exponent
+    # the reduction is count * E[...]: the coefficient of E[...] ** e
+    return key(base), power, exponent, coef * float(count) ** float(exponent), (axes, keepdims, factor.restores)
+
+
+def nonnegative(terms: list[Monomial], static: dict | None = None) -> bool:
+    """The sum is >= 0 for every real input (where it is a number): its terms split into
+    - monomials with a coefficient >= 0 whose factors are each even powers, or powers of a mean of an even power
+      (a mean of squares is >= 0, and so is any power of it); and
+    - one-pass variances ``c * E[x²] - c * E[x]²`` (c > 0) over the same axes of the same x, which are >= 0 by
+      Jensen's inequality (equivalently: they equal the mean of (x - E[x])²)."""
+    rest = list(terms)
+    moments = [_moment(t.factors[0], t.coef, static) if len(t.factors) == 1 else None for t in rest]
+    paired: set[int] = set()
+    for i, sq in enumerate(moments):
+        if sq is None or i in paired or sq[1] != 2 or sq[2] != 1 or sq[3] <= 0:
+            continue
+        for j, mean in enumerate(moments):
+            if j == i or j in paired or mean is None:
+                continue
+            if mean[0] == sq[0] and mean[1] == 1 and mean[2] == 2 and mean[4] == sq[4] and \
+                    abs(mean[3] + sq[3]) <= 1e-6 * sq[3]:
+                paired.update((i, j))
+                break
+    for i, t in enumerate(rest):
+        if i in paired:
+            continue
+        if t.coef < 0:
+            return False
+        for f in t.factors:
+            even = f.exponent.denominator == 1 and f.exponent.numerator % 2 == 0
+            found = _moment(f, 1.0, static) if not even else None
+            if not even and (found is None or found[1].denominator != 1 or found[1].numerator % 2):
+                return False
+    return True

@@ -53,7 +53,8 @@ def broadcast(*shapes: Sequence[int]) -> tuple[int, ...]:
 
 #: ops whose output has the elements of their first input, or fewer
 _SAME_OR_FEWER = frozenset({"Cast", "CastLike", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice",
-                            "Neg", "Abs", "Sqrt", "Reciprocal", "Floor", "Ceil", "Not", "Sign", "Relu"})
+                            "Neg", "Abs", "Sqrt", "Reciprocal", "Floor", "Ceil", "Not", "Sign", "Relu",
+                            "ReduceProd"})
 #: elementwise ops with numpy broadcasting
 _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Mod", "Pow", "Max", "Min", "Equal", "Less", "Greater",
                            "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Where", "Sum", "Mean"})

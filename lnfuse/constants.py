@@ -21,7 +21,10 @@ from lnfuse.budget import OverBudget, output_elements, require
 _MAX_DEPTH = 8
 _FOLDABLE = frozenset(
     {"Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Range", "Concat", "Gather", "Slice", "Add", "Sub",
-     "Mul", "Div", "Neg", "ConstantOfShape", "Shape", "Size", "Flatten", "Expand", "Sqrt", "Reciprocal", "CastLike"}
+     "Mul", "Div", "Neg", "ConstantOfShape", "Shape", "Size", "Flatten", "Expand", "Sqrt", "Reciprocal", "CastLike",
+     # jnp.var's guard Where(N - ddof > 0, ...) and tf-keras's count ReduceProd(Gather(Shape(x), axes)) are fixed
+     # once the dims they read are
+     "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal", "Not", "And", "Or", "ReduceProd"}
 )
 
 
@@ -229,6 +232,17 @@ def _flatten(node, args):
     return args[0].reshape(outer, -1)
 
 
+def _reduce_prod(node, args):
+    data = args[0]
+    axes = _axes(node, args)
+    if not axes:
+        if _attr(node, "noop_with_empty_axes", 0):
+            return data
+        axes = list(range(data.ndim))
+    result = np.prod(data, axis=tuple(a % max(data.ndim, 1) for a in axes), keepdims=bool(_attr(node, "keepdims", 1)))
+    return np.asarray(result, dtype=data.dtype)
+
+
 _FOLD = {
     "Cast": _cast,
     "Identity": lambda n, a: a[0],
@@ -249,4 +263,13 @@ _FOLD = {
     "ConstantOfShape": _constant_of_shape,
     "Flatten": _flatten,
     "Expand": lambda n, a: a[0] * np.ones(a[1].tolist(), dtype=a[0].dtype),
+    "Greater": lambda n, a: np.greater(a[0], a[1]),
+    "Less": lambda n, a: np.less(a[0], a[1]),
+    "GreaterOrEqual": lambda n, a: np.greater_equal(a[0], a[1]),
+    "LessOrEqual": lambda n, a: np.less_equal(a[0], a[1]),
+    "Equal": lambda n, a: np.equal(a[0], a[1]),
+    "Not": lambda n, a: np.logical_not(a[0]),
+    "And": lambda n, a: np.logical_and(a[0], a[1]),
+    "Or": lambda n, a: np.logical_or(a[0], a[1]),
+    "ReduceProd": _reduce_prod,
 }

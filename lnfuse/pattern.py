@@ -91,6 +91,10 @@ class Match:
     def fact(self, name: str, default: object = None) -> object:
         return self.facts.get(name, default)
 
+    def restores(self, value: ir.Value) -> list[tuple[ir.Node, ...]]:
+        """The unit-dim restores (outermost first) the normal form saw above ``value``, one tuple per factor."""
+        return [nodes for v, nodes in self.fact("restored", ()) if v is value]
+
     def value(self, name: str) -> ir.Value | None:
         return self.values.get(name)
 
@@ -287,6 +291,10 @@ def _assign_factors(pattern: list, factors: list, m: Match, coef: float) -> Iter
                     continue
                 bound = m.with_fact(exponent, power)
             bound = bound.add_nodes(nodes)
+            if factor.restores:
+                # a statistic re-broadcast as a whole (``algebra._viewed``): the rule proves each restore puts back
+                # exactly the axes it reduced, and refuses restores on anything else (``restored``)
+                bound = bound.with_fact("restored", bound.fact("restored", ()) + ((value, factor.restores),))
             for found in leaf.match(value, bound):
                 for twinned in _match_twins(leaf, factor.twins, found):
                     yield from _assign_factors(rest, factors[:i] + factors[i + 1:], twinned, coef * c)

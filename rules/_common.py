@@ -13,9 +13,11 @@ import onnx_ir as ir
 
 from lnfuse.budget import OverBudget
 from lnfuse.constants import fold, is_static, static_value
-from lnfuse.pattern import Either, Match, Op, Pattern, attr_value, maybe_cast
+from lnfuse.pattern import Either, Match, Op, Pattern, Terms, attr_value, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal
 
+#: reductions that sum without dividing by the count (ReduceSumSquare sums the squares)
+SUMS = ("ReduceSum", "ReduceSumSquare")
 FLOATS = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE)
 _WIDTH = {ir.DataType.FLOAT16: 16, ir.DataType.BFLOAT16: 16, ir.DataType.FLOAT: 32, ir.DataType.DOUBLE: 64}
 
@@ -30,10 +32,30 @@ def mean_over(x: Pattern, name: str) -> Pattern:
 
     torch's dynamo exporter restores the axes of ``torch.var``/``var_mean`` its own way: a Reshape to the kept shape
     and an Expand to that same shape (``broadcast_in_dim``); ``reduced_axes`` proves both change no element."""
-    reduce = Op(("ReduceMean", "ReduceSum"), x, name=name, extra_inputs=True)
+    return _kept(Op(("ReduceMean", "ReduceSum"), x, name=name, extra_inputs=True), x, name)
+
+
+def mean_of_square(d: Pattern, square_name: str, name: str) -> Pattern:
+    """The mean of d², as ``mean_over`` reads it (``Pow(d, 2)``, ``d * d``, a widening Cast of d first), or as
+    ``ReduceSumSquare(d)``, which is ``ReduceSum(d * d)`` by definition (MindSpore's variance
+    ``ReduceSumSquare(x - mean) / N``, jnp.var's ``ReduceSumSquare(x - mean)``): the exponent 2 is then the op's, and
+    the count is divided out as for a ReduceSum."""
+    squared = square(d, square_name)
+    sum_square = Op("ReduceSumSquare", squared[0], name=name, extra_inputs=True)
+    # Equinox averages the squares in float64 and rounds the mean back: Cast(ReduceMean(Cast(d², double)), float)
+    # (``check_statistic_precision``)
+    wide = maybe_cast(Terms(mono(1, squared)), f"{name}_wide")
+    statistic = Either(mean_over(wide, name), _kept(sum_square, None, name))
+    return Either(Op("Cast", statistic, name=f"{name}_narrow"), statistic)
+
+
+def _kept(reduce: Pattern, x: Pattern | None, name: str) -> Pattern:
+    """``reduce`` with its axes kept: by keepdims=1, an Unsqueeze or Reshape restoring them, an Expand to the same
+    shape after either, or (for a mean of ``x``) GlobalAveragePool."""
     restored = Op(("Unsqueeze", "Reshape"), reduce, name=f"{name}_unsqueeze", extra_inputs=True)
     expanded = Op("Expand", Either(reduce, restored), name=f"{name}_expand", extra_inputs=True)
-    return Either(reduce, restored, expanded, Op("GlobalAveragePool", x, name=name))
+    forms = [reduce, restored, expanded] + ([Op("GlobalAveragePool", x, name=name)] if x is not None else [])
+    return Either(*forms)
 
 
 def square(d: Pattern, name: str) -> tuple[Pattern, str]:
@@ -98,7 +120,7 @@ def reduced_count(m: Match, name: str) -> int:
     """How many elements a ``mean_over`` match sums without dividing: 1 for a mean, the product of the reduced dims
     for a ReduceSum (which must then be known)."""
     node = m.node(name)
-    if node.op_type != "ReduceSum":
+    if node.op_type not in SUMS:
         return 1
     shape = node.inputs[0].shape
     dims = [] if shape is None else [list(shape)[a] for a in reduced_axes(m, name)]
@@ -146,7 +168,16 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
     axes = sorted(set(axes))
     keepdims = attr_value(node, "keepdims", 1)
     unsqueeze = m.node(f"{name}_unsqueeze")
-    if unsqueeze is None and not keepdims:
+    restores = m.restores(node.outputs[0])
+    if restores:
+        # re-broadcast with the ops around it (``algebra._viewed``): each Reshape only inserts unit dims, so the
+        # outermost one's shape says where the statistic's rows are
+        if keepdims or unsqueeze is not None:
+            raise Refusal("keepdims", f"Reshape '{restores[0][0].name}' adds axes to {node.op_type} "
+                          f"'{node.name}', which kept them")
+        for chain in restores:
+            _check_same_shape(chain[0].outputs[0], _kept_shape(x, axes), f"Reshape '{chain[0].name}'", node)
+    elif unsqueeze is None and not keepdims:
         raise Refusal("keepdims", f"ReduceMean '{node.name}' drops the reduced axes (keepdims=0)")
     if unsqueeze is not None:
         if keepdims:
@@ -164,7 +195,14 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
 
 
 def agreed_axes(m: Match, names: Iterable[str]) -> tuple[int, ...]:
-    """The axes every reduction of the norm reduces (refused when they disagree)."""
+    """The axes every reduction of the norm reduces (refused when they disagree). A restore the normal form saw
+    (a Reshape inserting unit dims) must sit above one of these statistics: on any other value it changes its rank."""
+    names = tuple(names)
+    statistics = {m.node(n).outputs[0] for n in names if m.node(n) is not None}
+    for value, chain in m.fact("restored", ()):
+        if value not in statistics:
+            raise Refusal("keepdims", f"Reshape '{chain[0].name}' inserts unit dims into '{value.name}', which is "
+                          "not a statistic of the norm")
     first, axes = None, None
     for name in names:
         if m.node(name) is None:
@@ -229,6 +267,25 @@ def scalar(m: Match, name: str, what: str) -> float:
     if np.ndim(array) > (rank if rank is not None else 1):
         raise Refusal(what, f"{what} '{value.name}' has shape {list(np.shape(array))}, which raises the rank")
     return float(flat[0])
+
+
+def check_statistic_precision(m: Match, name: str) -> None:
+    """A statistic computed in a wider float and rounded back to the dtype it was computed from
+    (``Cast(ReduceMean(Cast(d², double)), float)``) is the same statistic, more precisely rounded: the fused op
+    computes it at its stash_type precision instead, and the two differ only by the rounding of the sum, which
+    verification measures like any fusion's. A rounding Cast alone, or a widening one never rounded back, computes
+    the norm in another precision: refused."""
+    wide, narrow = m.node(f"{name}_wide"), m.node(f"{name}_narrow")
+    if wide is None and narrow is None:
+        return
+    if wide is None or narrow is None:
+        cast = narrow or wide
+        raise Refusal("dtype", f"Cast '{node_name(cast)}' changes the precision of the statistic "
+                      f"({dtype_of(cast.inputs[0])} to {cast_target(cast)}) without the Cast that undoes it")
+    source = dtype_of(wide.inputs[0])
+    if not is_widening(source, cast_target(wide)) or cast_target(narrow) != source:
+        raise Refusal("dtype", f"the statistic is computed in {cast_target(wide)} from {source} and cast to "
+                      f"{cast_target(narrow)}: not a wider computation of the same statistic")
 
 
 def check_exponent(m: Match, name: str, expected: float, what: str = "exponent") -> None:

@@ -15,8 +15,8 @@ from lnfuse.constants import static_value
 from lnfuse.pattern import Either, Match, Op, Terms, Var, attr_value, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
-                      check_mean_scale, epsilon, kept_dims, mean_over, node_name, param_as, rank_of, read_outside,
-                      readers_outside, square, trailing_axes)
+                      check_mean_scale, check_statistic_precision, epsilon, kept_dims, mean_of_square, mean_over,
+                      node_name, param_as, rank_of, read_outside, readers_outside, square, trailing_axes)
 from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
                     expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
                     stash_type, var_plus_eps)
@@ -58,9 +58,9 @@ VMEAN = mean_over(X, "vmean")
 D = Terms(mono(1, X, scale="d_x"), mono(-1, MEAN, scale="d_mean"))
 D_SQUARED = Terms(mono(1, X, scale="dsq_x"), mono(-1, VMEAN, scale="dsq_mean"), either_sign=True)
 VAR_EPS = Either(
-    var_plus_eps(mean_over(Terms(mono(1, square(D_SQUARED, "sq"))), "var")),
+    var_plus_eps(mean_of_square(D_SQUARED, "sq", "var")),
     # E[x²] - E[x]²: the ONNX function body of LayerNormalization
-    var_plus_eps(mean_over(Terms(mono(1, square(X, "xsq"))), "var"),
+    var_plus_eps(mean_of_square(X, "xsq", "var"),
                  mono(-1, square(VMEAN, "msq"), scale="msq_scale")),
 )
 INVERSE = inverse_sqrt(VAR_EPS)
@@ -79,7 +79,7 @@ CENTRED_RMS = maybe_cast(Either(Terms(mono(1, RMS_OF_CENTRED), mono(1, Var("beta
 
 class LayerNorm(Rule):
     name = "layer_norm"
-    anchors = frozenset({"ReduceMean", "ReduceSum", "GlobalAveragePool"})
+    anchors = frozenset({"ReduceMean", "ReduceSum", "ReduceSumSquare", "GlobalAveragePool"})
     patterns = (UNFLATTENED, STANDARD, CENTRED_RMS)
     near_misses = (
         (Op("Div", Op("Sub", Var("x"), mean_over(Var("x"), "mean")),
@@ -104,6 +104,7 @@ class LayerNorm(Rule):
         for name in ("sq", "xsq", "msq"):
             check_exponent(m, name, 2.0)
         check_inverse(m)
+        check_statistic_precision(m, "var")
         check_inner_casts(m, ("sq_cast", "xsq_cast", "msq_cast", "d_cast"))
         scale = check_scales(m, ("scale_x",)) * float(m.fact("d_x", 1.0))
         if scale < 0:
@@ -126,6 +127,10 @@ class LayerNorm(Rule):
             gamma, beta = layout_params(m, ctx, b, k, scale, channel)
         mean = kept_dims(m, "mean")
         exposed_mean = [mean] if read_outside(mean, region) else []
+        if exposed_mean and rank_of(mean) != rank_of(x):
+            # a keepdims=0 mean re-broadcast by the ops around it: the fused op's Mean has the kept shape
+            raise Refusal("intermediate", f"the mean '{mean.name}' is read elsewhere without its reduced axes, "
+                          "and the fused op's Mean keeps them")
         exposed_inv, absorbed = inverse_std_readers(m, region)
         region += absorbed
         flattened = m.node("unflatten") is not None

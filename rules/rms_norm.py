@@ -13,7 +13,7 @@ import onnx_ir as ir
 from lnfuse.pattern import Match, Terms, Var, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
-                      check_mean_scale, epsilon, mean_over, node_name, square, trailing_axes)
+                      check_mean_scale, check_statistic_precision, epsilon, mean_of_square, node_name, square, trailing_axes)
 from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
                     expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
                     stash_type, var_plus_eps)
@@ -41,13 +41,13 @@ def reference():
 
 # y = x * (mean(x²) + eps) ** -1/2 * gamma, matched on the normal form (``lnfuse.algebra``)
 X = maybe_cast(Var("x_in"), cast="cast_in", name="x")
-VAR_EPS = var_plus_eps(mean_over(Terms(mono(1, square(X, "sq"))), "var"))
+VAR_EPS = var_plus_eps(mean_of_square(X, "sq", "var"))
 PATTERN = affine([[(1, maybe_cast(X, cast="d_cast", name="d_num"), "scale_x")]], inverse_sqrt(VAR_EPS), beta=False)
 
 
 class RmsNorm(Rule):
     name = "rms_norm"
-    anchors = frozenset({"ReduceMean", "ReduceSum", "GlobalAveragePool"})
+    anchors = frozenset({"ReduceMean", "ReduceSum", "ReduceSumSquare", "GlobalAveragePool"})
     patterns = (PATTERN,)
     near_misses = ((VAR_EPS, "formula", "mean(x²) + eps is computed, but nothing computes x * (mean(x²) + eps) ** "
                     "-1/2 from it"),)
@@ -60,6 +60,7 @@ class RmsNorm(Rule):
         eps = epsilon(m)
         check_exponent(m, "sq", 2.0)
         check_inverse(m)
+        check_statistic_precision(m, "var")
         check_inner_casts(m, ("sq_cast", "d_cast"))
         scale = check_scales(m, ("scale_x",))
         return first_placement(m, lambda b: self._write(m, ctx, b, k, eps, scale, channel))

@@ -53,38 +53,35 @@ RMS = {"RMSNormalization": 1}               # ONNX's, from opset 23
 SKIP = {"SkipLayerNormalization": 1}
 EMBED = {"EmbedLayerNormalization": 1}
 
-FLAX_VAR = "Flax's one-pass variance Max(E[x²] − E[x]², 0)"
-EQX_GUARD = "the candidate search does not see the centring behind Equinox's Where(ReduceMin == ReduceMax) guard"
-EQX_LN = ("jax2onnx's Equinox LayerNorm: centred value behind Where(min == max ∧ mean − mean == 0, 0, x − mean), "
-          "variance as Cast(float64) → ReduceMean → Cast(float32)")
+EQX_EMBED = ("jax2onnx's vmapped Equinox lookups: the LayerNorm fuses (constant-row guard, float64 variance), the "
+             "embedding rule forms only a SkipLayerNormalization")
 JAX2TF_STATS = ("ReduceSum(keepdims=0) × 1/N re-broadcast by Reshape + Expand to a run-time shape "
                 "(Concat(Slice(Shape(x)), …) → Cast)")
 TF_KERAS_BN = ("tf-keras's fused LayerNorm: Reshape to [1, rows, H, 1], BatchNormalization(ones, zeros, "
                "ReduceMean(axes 0, 2, 3), ReduceSumSquare(x − mean) / ReduceProd(Shape)), Reshape back, then γ, β")
-MS_VAR = "MindSpore's variance ReduceSumSquare(x − mean) / N (a Div by the constant N)"
+MS_EMBED = ("MindSpore's lookups Reshape(ids, [-1]) → Gather → Reshape [2, 8, 32]: the LayerNorm fuses (ReduceSumSquare "
+            "variance), the embedding rule forms only a SkipLayerNormalization")
 PADDLE_IDENTITY = "the sum reaches the norm through Identity → Identity"
 
 EXPECTED: dict[str, Case] = {
     # ---- jax2onnx 0.17.1 (opset 23: RMS norms become ONNX RMSNormalization)
-    "jax2onnx/flax_layernorm": Case(LN, FLAX_VAR),
-    "jax2onnx/linen_layernorm": Case(LN, FLAX_VAR),
+    "jax2onnx/flax_layernorm": Case(LN),
+    "jax2onnx/linen_layernorm": Case(LN),
     "jax2onnx/flax_rmsnorm": Case(RMS, centred=False),
-    "jax2onnx/flax_residual_layernorm": Case(SKIP, FLAX_VAR),
-    "jax2onnx/flax_embedding_layernorm": Case(EMBED, FLAX_VAR + "; positions as Range → Reshape → Expand → Cast"),
-    "jax2onnx/eqx_layernorm": Case(LN, EQX_LN, EQX_GUARD),
+    "jax2onnx/flax_residual_layernorm": Case(SKIP),
+    "jax2onnx/flax_embedding_layernorm": Case(EMBED),
+    "jax2onnx/eqx_layernorm": Case(LN),
     "jax2onnx/eqx_rmsnorm": Case(RMS, centred=False),
-    "jax2onnx/eqx_residual_layernorm": Case(SKIP, EQX_LN, EQX_GUARD),
-    "jax2onnx/eqx_embedding_layernorm": Case(EMBED, EQX_LN, EQX_GUARD),
-    "jax2onnx/jnp_layernorm": Case(LN, "jnp.mean/jnp.var: ReduceSum(keepdims=0) re-broadcast by Reshape + Expand, "
-                                       "/ N; ReduceSumSquare(x − mean) / (N − ddof) behind Where(N − ddof > 0)"),
-    "jax2onnx/jnp_channels_first": Case(LN, "channels-first ReduceSum/ReduceSumSquare(keepdims=0) re-broadcast by "
-                                            "Reshape + Expand, / N"),
+    "jax2onnx/eqx_residual_layernorm": Case(SKIP),
+    "jax2onnx/eqx_embedding_layernorm": Case(EMBED, EQX_EMBED),
+    "jax2onnx/jnp_layernorm": Case(LN),
+    "jax2onnx/jnp_channels_first": Case(LN),
     # ---- jax2tf (jax 0.4.30, non-native) + tf2onnx 1.17 (opset 17)
-    "jax2tf/flax_layernorm": Case(LN, f"{FLAX_VAR} with {JAX2TF_STATS}"),
-    "jax2tf/flax_rmsnorm": Case(SLN, f"Flax RMSNorm through jax2tf: x − Expand(zeros), {JAX2TF_STATS}", centred=False),
-    "jax2tf/flax_residual_layernorm": Case(SKIP, f"{FLAX_VAR} with {JAX2TF_STATS}"),
-    "jax2tf/flax_indexed_embedding_layernorm": Case(EMBED, f"{FLAX_VAR} with {JAX2TF_STATS}; clipped lookups"),
-    "jax2tf/flax_channels_first": Case(LN, f"{FLAX_VAR} over axis 1 with {JAX2TF_STATS}"),
+    "jax2tf/flax_layernorm": Case(LN),
+    "jax2tf/flax_rmsnorm": Case(SLN, centred=False),
+    "jax2tf/flax_residual_layernorm": Case(SKIP),
+    "jax2tf/flax_indexed_embedding_layernorm": Case(EMBED),
+    "jax2tf/flax_channels_first": Case(LN),
     "jax2tf/eqx_rmsnorm": Case(SLN, f"Equinox RMSNorm through jax2tf: vmap's Transpose(perm 1, 2, 0) between the "
                                     f"weight and the statistics, {JAX2TF_STATS}", centred=False),
     # ---- tf2onnx 1.17 from Keras 3.15 (opset 17)
@@ -111,13 +108,13 @@ EXPECTED: dict[str, Case] = {
     "paddle/residual_layernorm_op17": Case(SKIP),  # the same, into a native LayerNormalization
     "paddle/embedding_layernorm_op11": Case(EMBED),  # position lookup folded to a [1, S, H] constant
     "paddle/embedding_layernorm_op17": Case(EMBED),
-    "paddle/channels_first_op11": Case(LN, "Sub(x, mean) computed twice (no CSE), variance × 1 (Paddle's scale)"),
-    "paddle/channels_first_op17": Case(LN, "Sub(x, mean) computed twice (no CSE), variance × 1 (Paddle's scale)"),
+    "paddle/channels_first_op11": Case(LN),  # Sub(x, mean) twice behind Identities, variance × 1
+    "paddle/channels_first_op17": Case(LN),
     # ---- MindSpore 2.10 (opset 11, static shapes)
-    "mindspore/layernorm": Case(LN, MS_VAR),
+    "mindspore/layernorm": Case(LN),
     "mindspore/rmsnorm": Case(SLN, centred=False),
-    "mindspore/residual_layernorm": Case(SKIP, MS_VAR),
-    "mindspore/embedding_layernorm": Case(EMBED, MS_VAR),
+    "mindspore/residual_layernorm": Case(SKIP),
+    "mindspore/embedding_layernorm": Case(EMBED, MS_EMBED),
     "mindspore/channels_first": Case(LN),
     # ---- spox 0.18 and onnxscript 0.7 (the framework is ONNX; opset 18)
     "spox/layernorm": Case(LN),
