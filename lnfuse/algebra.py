@@ -463,7 +463,7 @@ def _inserts_unit_dims(node: ir.Node) -> bool:
 
 
 def _guarded(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
-    op, ins = node.op_type, node.inputs
+    op = node.op_type
     if op == "Where":
         return _where(node, walk)
     operand = _clamped_at_zero(node, walk.static)

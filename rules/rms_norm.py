@@ -10,10 +10,10 @@ import functools
 
 import onnx_ir as ir
 
-from lnfuse.pattern import Match, Terms, Var, maybe_cast, mono
+from lnfuse.pattern import Match, Var, maybe_cast
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
-                      check_mean_scale, check_statistic_precision, epsilon, mean_of_square, node_name, square, trailing_axes)
+                      check_mean_scale, check_statistic_precision, epsilon, mean_of_square, node_name, trailing_axes)
 from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
                     expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
                     stash_type, var_plus_eps)

@@ -25,7 +25,7 @@ from onnx import TensorProto
 
 import lnfuse
 from lnfuse import candidates
-from normgraphs import Spec, build, run, session
+from normgraphs import Spec, build, run
 
 H = 8
 EPS = 1e-6
