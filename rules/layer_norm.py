@@ -127,13 +127,14 @@ class LayerNorm(Rule):
             gamma, beta = layout_params(m, ctx, b, k, scale, channel)
         mean = kept_dims(m, "mean")
         exposed_mean = [mean] if read_outside(mean, region) else []
-        if exposed_mean and rank_of(mean) != rank_of(x):
-            # a keepdims=0 mean re-broadcast by the ops around it: the fused op's Mean has the kept shape
+        flattened = m.node("unflatten") is not None
+        if exposed_mean and not flattened and rank_of(mean) != rank_of(x):
+            # a keepdims=0 mean re-broadcast by the ops around it: the fused op's Mean has the kept shape (a
+            # flattened norm's [M, 1] statistics are laid out again below)
             raise Refusal("intermediate", f"the mean '{mean.name}' is read elsewhere without its reduced axes, "
                           "and the fused op's Mean keeps them")
         exposed_inv, absorbed = inverse_std_readers(m, region)
         region += absorbed
-        flattened = m.node("unflatten") is not None
         if flattened:
             _only_reshaped(exposed_mean + exposed_inv, region)
         n_out = 3 if exposed_inv else 2 if exposed_mean else 1
