@@ -35,10 +35,13 @@ from lnfuse.traversal import every_node
 #: are then the same as before demand-driven inference
 WHOLE_NODES = 10_000
 #: the CPU seconds ORT's symbolic inference may take: a base (its set-up, and a small model's every node) plus an
-#: allowance per node inferred, 2.5x what a transformer's nodes take (BERT-base: 0.11 s for 1,000 nodes). CPU time
+#: allowance per node inferred, 5x what a transformer's nodes take (BERT-base: 0.11 s for 1,000 nodes; a Conv takes about 3 ms). CPU time
 #: of the inferring thread, not wall time, so that a busy machine does not change which shapes are found.
-BASE_SECONDS = 0.5
-SECONDS_PER_NODE = 0.25e-3
+BASE_SECONDS = 0.3
+SECONDS_PER_NODE = 0.5e-3
+#: past this many Resize ops, resized dims get fresh names instead of sympy's simplified expressions (each may
+#: take seconds: ``shapes.Recording._infer_Resize``); at most this many, ORT's own arithmetic runs as it always did
+RESIZE_LIMIT = 8
 #: how often the watchdog reads the inferring thread's CPU clock
 _POLL_SECONDS = 0.02
 
@@ -97,10 +100,14 @@ class PendingShapes:
         for label, proto, claims, names in attempts:
             nodes = _count_nodes(proto.graph)
             budget = budget_seconds(nodes)
+            resizes = _count_ops(proto.graph, "Resize")
+            plain = resizes > RESIZE_LIMIT
+            if plain:
+                label += f", its {resizes} Resize ops' dims as fresh names"
             self.symbolic_runs += 1
             start = time.thread_time()
             inferred = _within(budget, lambda check, p=proto, c=claims: _infer_with_claims(
-                p, c, lambda q: _symbolic(q, check))[0])
+                p, c, lambda q: _symbolic(q, check, plain))[0])
             spent = time.thread_time() - start
             if inferred is None:
                 notes.append(f"shapes: ONNX Runtime's symbolic inference of {label} stopped at its budget "
@@ -169,10 +176,15 @@ def _cpu_clock(thread: int) -> Callable[[], float]:
 
 
 def _count_nodes(graph: onnx.GraphProto) -> int:
+    return _count_ops(graph, None)
+
+
+def _count_ops(graph: onnx.GraphProto, op_type: str | None) -> int:
+    """The nodes of ``graph`` and its bodies (of ``op_type`` only, when given)."""
     count, stack = 0, [graph]
     while stack:
         current = stack.pop()
-        count += len(current.node)
+        count += len(current.node) if op_type is None else sum(n.op_type == op_type for n in current.node)
         for node in current.node:
             if node.attribute:
                 for attr in node.attribute:

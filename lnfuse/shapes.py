@@ -227,16 +227,19 @@ def _long_vector(proto: onnx.ModelProto) -> bool:
     return False
 
 
-def _symbolic(proto: onnx.ModelProto, check: Callable[[], None] | None = None) -> onnx.ModelProto | None:
+def _symbolic(proto: onnx.ModelProto, check: Callable[[], None] | None = None,
+              plain_resize: bool = False) -> onnx.ModelProto | None:
     """ORT's symbolic inference, keeping partial results. Its public entry point writes a file into the working
     directory when a node cannot be inferred, so the loop it runs is run here instead. ``check`` is called before
-    each node (a deadline raises ``_OverBudget`` there)."""
+    each node (a deadline raises there). ``plain_resize``: a resized dim gets a fresh name instead of the
+    expression sympy simplifies (``Recording._infer_Resize``)."""
     if not any(i.domain in ("", "ai.onnx") and i.version >= 7 for i in proto.opset_import):
         return None
     try:
         with _quiet():
             inference = _recording_inference()(2**31 - 1, True, False, 0)
             inference.check = check
+            inference.plain_resize = plain_resize
             inference._preprocess(proto)
             while inference.run_:
                 inference._infer_impl()
@@ -273,12 +276,42 @@ def _recording_inference():
             self.current: onnx.NodeProto | None = None
             self.assumed: list[tuple[onnx.NodeProto, list[str]]] = []
             self.check: Callable[[], None] | None = None
+            self.plain_resize = False
 
         def _onnx_infer_single_node(self, node):
             if self.check is not None:
                 self.check()
             self.current = node
             return super()._onnx_infer_single_node(node)
+
+        def _infer_Resize(self, node):  # noqa: N802 - ORT's dispatch name
+            """With ``plain_resize``, the dims ORT would get from ``simplify(floor(d * scale))`` or
+            ``simplify(floor(size))`` without ``simplify``, which takes up to seconds per node on a detector's neck
+            (d is there the expression of every Conv and Resize before it): a size read from a shape is a dim
+            already, d * k for a whole k is whole, and any other scale gives a fresh symbol, which claims nothing
+            (rules then prove less about what follows, never something wrong)."""
+            if not self.plain_resize:
+                return super()._infer_Resize(node)
+            module = _ort_symbolic_shape_infer()
+            shape = self._get_sympy_shape(node, 0)
+            legacy = module.get_opset(self.out_mp_) <= 10
+            scales = self._try_get_value(node, 1 if legacy else 2)
+            sizes = None if legacy else self._try_get_value(node, 3)
+            cropped = module.get_attribute(node, "coordinate_transformation_mode") == b"tf_crop_and_resize"
+            fresh = self._new_symbolic_shape(len(shape), node)
+            dims = []
+            for axis, dim in enumerate(shape):
+                if sizes is not None and axis < len(sizes) and _whole(sizes[axis]):
+                    dims.append(sizes[axis])
+                elif sizes is None and scales is not None and axis < len(scales) and not cropped \
+                        and _whole(scales[axis]) and float(scales[axis]) >= 1:
+                    dims.append(dim * int(scales[axis]))
+                else:
+                    dims.append(fresh[axis])
+            self._update_computed_dims(dims)  # as ORT registers what it computes, so later merges can name them
+            self.known_vi_[node.output[0]].CopyFrom(onnx.helper.make_tensor_value_info(
+                node.output[0], self.known_vi_[node.input[0]].type.tensor_type.elem_type,
+                module.get_shape_from_sympy_shape(dims)))
 
         def _preprocess(self, in_mp):
             super()._preprocess(in_mp)
@@ -323,6 +356,16 @@ def _recording_inference():
             return (2, len(name))
 
     return Recording
+
+
+def _whole(value) -> bool:
+    """A whole number (Python, numpy or sympy), or a sympy expression known to be whole (a dim read by Shape)."""
+    if getattr(value, "is_integer", None) is True:
+        return True
+    try:
+        return float(value) == int(value)
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def _rename_assumed_dims(model: onnx.ModelProto, assumed: list, merged: dict) -> None:
