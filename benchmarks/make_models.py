@@ -172,6 +172,113 @@ def ensure_stacks(out: Path, layers: tuple[int, ...] = STACK_LAYERS) -> list[Pat
     return [p if (p := out / stack_model_name(n)).exists() else write_stack(out, n) for n in layers]
 
 
+# =========================================================================== detector CNNs (no torch)
+
+
+#: Resize counts of the generated detectors (``detector_model_name``): OCR/detection FPNs ship with 50 to 200
+DETECTOR_RESIZES = (50, 200)
+
+
+def detector_model_name(resizes: int, norm: bool = False) -> str:
+    return f"detector_{resizes}resize{'_norm' if norm else ''}.onnx"
+
+
+def _conv(b: _GraphBuilder, x: str, c_in: int, c_out: int, prefix: str, stride: int = 1) -> str:
+    weight = b.const(f"{prefix}.weight.{b._count}", b.rng.normal(0.0, 0.1, (c_out, c_in, 3, 3)))
+    bias = b.const(f"{prefix}.bias.{b._count}", b.rng.normal(0.0, 0.01, c_out))
+    return b.op("Relu", [b.op("Conv", [x, weight, bias], prefix, kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                              strides=[stride, stride])], prefix)
+
+
+def _int64(b: _GraphBuilder, name: str, values: list[int]) -> str:
+    b.initializers.append(numpy_helper.from_array(np.array(values, dtype=np.int64), name))
+    return name
+
+
+def _upsample_to(b: _GraphBuilder, x: str, like: str, prefix: str, by_sizes: bool) -> str:
+    """Upsample ``x`` to ``like``'s height and width, the two ways exporters write it: ``scales`` [1, 1, 2, 2]
+    (torch's ``scale_factor=2``), or ``sizes`` computed at run time from ``Shape(like)`` (``size=like.shape[2:]``,
+    DBNet's and YOLO's necks). Both give ORT's symbolic inference a sympy expression per dim to simplify."""
+    if by_sizes:
+        spatial = b.op("Slice", [b.op("Shape", [like], prefix), "det.two", "det.four"], prefix)
+        channels = b.op("Slice", [b.op("Shape", [x], prefix), "det.zero", "det.two"], prefix)
+        sizes = b.op("Concat", [channels, spatial], prefix, axis=0)
+        return b.op("Resize", [x, "", "", sizes], prefix, mode="nearest")
+    return b.op("Resize", [x, "", "det.scales"], prefix, mode="nearest")
+
+
+def build_detector(resizes: int, norm: bool = False, width: int = 8, levels: int = 5, seed: int = 0
+                   ) -> onnx.ModelProto:
+    """A DBNet/YOLO-like detector: a strided Conv backbone of ``levels`` feature maps, then repeated FPN passes
+    (top-down: upsample the coarser map, Concat with the finer, Conv; bottom-up: strided Conv, Add) until
+    ``resizes`` Resize ops are written, half of them with ``scales`` and half with ``sizes`` from ``Shape``; a
+    DBNet head upsamples every level to the finest and concatenates them. Dynamic batch, height and width; no
+    normalization unless ``norm``, which ends the head with one decomposed LayerNorm over the channels (a
+    candidate downstream of every Resize)."""
+    b = _GraphBuilder(np.random.default_rng(seed))
+    _int64(b, "det.zero", [0])
+    _int64(b, "det.two", [2])
+    _int64(b, "det.four", [4])
+    b.const("det.scales", np.array([1.0, 1.0, 2.0, 2.0]))
+    x = _conv(b, "image", 3, width, "stem", stride=2)
+    feats = []
+    for level in range(levels):
+        x = _conv(b, x, width, width, f"backbone.{level}", stride=2)
+        feats.append(x)
+    written, passes = 0, 0
+    while written < resizes - (levels - 1):
+        prefix = f"fpn.{passes}"
+        for level in range(levels - 2, -1, -1):  # top-down
+            if written >= resizes - (levels - 1):
+                break
+            up = _upsample_to(b, feats[level + 1], feats[level], f"{prefix}.up{level}", by_sizes=written % 2 == 1)
+            written += 1
+            merged = b.op("Concat", [feats[level], up], prefix, axis=1)
+            feats[level] = _conv(b, merged, 2 * width, width, f"{prefix}.td{level}")
+        for level in range(1, levels):  # bottom-up
+            down = _conv(b, feats[level - 1], width, width, f"{prefix}.bu{level}", stride=2)
+            feats[level] = b.op("Add", [feats[level], down], prefix)
+        passes += 1
+    head = [feats[0]]
+    for level in range(1, levels):
+        head.append(_upsample_to(b, feats[level], feats[0], f"head.up{level}", by_sizes=True))
+    y = _conv(b, b.op("Concat", head, "head", axis=1), levels * width, width, "head")
+    if norm:  # a channels-first LayerNorm, as ConvNeXt/SAM write it: over axis 1
+        mean = b.op("ReduceMean", [y], "head.norm", axes=[1], keepdims=1)
+        centred = b.op("Sub", [y, mean], "head.norm")
+        var = b.op("ReduceMean", [b.op("Mul", [centred, centred], "head.norm")], "head.norm", axes=[1], keepdims=1)
+        std = b.op("Sqrt", [b.op("Add", [var, b.scalar("head.norm", 1e-6)], "head.norm")], "head.norm")
+        normed = b.op("Div", [centred, std], "head.norm")
+        gamma = b.const("head.norm.weight", b.rng.uniform(0.5, 1.5, (width, 1, 1)))
+        beta = b.const("head.norm.bias", b.rng.normal(0.0, 0.1, (width, 1, 1)))
+        y = b.op("Add", [b.op("Mul", [normed, gamma], "head.norm"), beta], "head.norm")
+    prob = b.op("Sigmoid", [b.op("Conv", [y, b.const("head.out.weight", b.rng.normal(0.0, 0.1, (1, width, 1, 1)))],
+                                 "head.out", kernel_shape=[1, 1])], "head.out")
+    b.nodes.append(oh.make_node("Identity", [prob], ["probability"], name="output"))
+    graph = oh.make_graph(
+        b.nodes, detector_model_name(resizes, norm).removesuffix(".onnx"),
+        [oh.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+        [oh.make_tensor_value_info("probability", TensorProto.FLOAT, ["batch", 1, None, None])],
+        b.initializers)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8,
+                          producer_name="lnfuse-benchmarks")
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def ensure_detectors(out: Path, resizes: tuple[int, ...] = DETECTOR_RESIZES, norm: bool = True) -> list[Path]:
+    """Used by cliff.py: (re)generate the missing detectors (with no norm, and with ``norm`` one with a norm too)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for count in resizes:
+        for with_norm in (False, True) if norm else (False,):
+            path = out / detector_model_name(count, with_norm)
+            if not path.exists():
+                onnx.save(build_detector(count, with_norm), path)
+            paths.append(path)
+    return paths
+
+
 # =========================================================================== torch models (lazy torch import)
 
 

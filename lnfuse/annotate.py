@@ -16,7 +16,7 @@ def write_annotated(source: str | os.PathLike, report: Report, output: str | os.
     """Read ``source`` again (the report's run rewrote its own copy), label its candidates' nodes from ``report``
     and write it like any output: atomically, weights copied byte for byte, and ``report`` as JSON to
     ``report_file`` if given (renamed into place with the copy). Returns the nodes labelled."""
-    loaded = io.load(source)
+    loaded = io.load(source, defer_symbolic=True)  # labels need no shapes: ORT's inference is never asked
     labelled = mark_candidates(loaded.model, report, {scope.path: scope.graph for scope in scopes(loaded.model)})
     io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
     io.save(loaded.model, output, external_data="keep" if loaded.has_external_data else None,

@@ -106,7 +106,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
                       progress=stage.part(0.1, 0.85) if progress else None)
     stage(0.0, "reading and checking the model")
     with _cycle_collection_paused():
-        loaded = io.load(model)
+        loaded = io.load(model, defer_symbolic=True)
         source = str(loaded.path) if loaded.path is not None else "<model>"
         original = ir.serde.serialize_model(loaded.model) if (verify_model or upgrade_opset) else None
         report = _run(loaded, options, source)
@@ -172,7 +172,8 @@ def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
     if loaded.shape_inference_error:
         report.notes.append(f"shape inference failed ({loaded.shape_inference_error}); checks that need shapes "
                             "refuse where shapes are unknown")
-    fuse_model(loaded.model, options, report, before)
+    fuse_model(loaded.model, options, report, before, shapes=loaded.pending_shapes)
+    loaded.pending_shapes = None
     loaded.declared_value_info |= type_new_values(loaded.model, before)
     report.unfused.extend(quantized_norms(loaded.model, report))
     after = _ops_by_graph(loaded.model)  # one walk for both (a walk of a million nodes costs)
@@ -192,7 +193,7 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     try:
         converted = onnx.version_converter.convert_version(original, needed)
         # the input's data, admitted again by a gate at the input's folder
-        upgraded = io.load(converted, base_dir=loaded.gate.folder)
+        upgraded = io.load(converted, base_dir=loaded.gate.folder, defer_symbolic=True)
     except Exception as error:  # noqa: BLE001 - the converter raises many types; the report says why
         report.notes.append(f"--upgrade-opset: onnx's version converter could not reach opset {needed} "
                             f"({str(error).splitlines()[0][:200]}); the model keeps its opset")

@@ -20,6 +20,7 @@ from lnfuse import candidates as statistics
 from lnfuse.algebra import Cache
 from lnfuse.canonical import canonicalize
 from lnfuse.constants import static_value
+from lnfuse.demand import PendingShapes
 from lnfuse.pattern import Match
 from lnfuse.provenance import mark_fused
 from lnfuse.quantized_norms import rounding_reason
@@ -87,9 +88,12 @@ class _Pass:
 
 
 def fuse_model(model: ir.Model, options: Options, report: Report,
-               nodes: Iterable[ir.Node] | None = None) -> None:
+               nodes: Iterable[ir.Node] | None = None, shapes: PendingShapes | None = None) -> None:
     """Rewrite ``model`` in place and record what happened in ``report``. ``nodes``: every node of the model
-    (``nodes_of``), when the caller has them."""
+    (``nodes_of``), when the caller has them. ``shapes``: the symbolic shape inference the load deferred, run here
+    for the values the candidates need (before canonicalization, on the graph as loaded, as at load)."""
+    if shapes is not None:
+        report.notes.extend(shapes.resolve(model, demand(model, options)))
     names = _all_names(model, nodes)
     opsets_used: dict[str, int] = {}
     every_scope = list(scopes(model))
@@ -187,6 +191,24 @@ class _Order:
         if anchors not in self.near:
             self.near[anchors] = _near(self, anchors)
         return self.near[anchors]
+
+
+def demand(model: ir.Model, options: Options) -> set[str]:
+    """The names of the main graph's values that candidates read or write: those of the nodes near an anchor of a
+    rule that runs (``_near``, where matching looks). An anchor inside a body or a function makes every value of the
+    main graph needed (the body's shapes follow from its holder's inputs, a function's from its calls'). Empty: no
+    candidates, and no shape inference beyond onnx's is needed."""
+    anchors = frozenset().union(*(r.anchors for r in options.rules if options.target in r.targets))
+    if not anchors:
+        return set()
+    order = _Order.of(model.graph)
+    near = order.near_nodes(anchors) if any(op in order.of_op for op in anchors) else []
+    elsewhere = any(node.op_type in anchors for function in model.functions.values() for node in every_node(function))
+    elsewhere = elsewhere or any(node.op_type in anchors for node in every_node(model.graph)
+                                 if node.graph is not model.graph)
+    if elsewhere:
+        near = order.nodes
+    return {v.name for node in near for v in [*node.inputs, *node.outputs] if v is not None and v.name}
 
 
 def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:

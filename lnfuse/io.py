@@ -27,6 +27,7 @@ from lnfuse.staging import Staging
 from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.repair import declare_output_shapes, repair
+from lnfuse.demand import PendingShapes, infer_shapes_deferred
 from lnfuse.shapes import infer_function_types, infer_shapes
 from lnfuse.traversal import every_node, subgraphs
 
@@ -40,6 +41,8 @@ class Loaded:
     shape_inference_error: str | None = None
     source: SourceWeights | None = None
     gate: Gate | None = None
+    #: ORT's symbolic shape inference, when onnx's left dims unknown and it was deferred (``load(defer_symbolic)``)
+    pending_shapes: PendingShapes | None = None
 
 
 def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | None]:
@@ -254,10 +257,13 @@ def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
     return names
 
 
-def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path | None = None) -> Loaded:
+def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path | None = None,
+         defer_symbolic: bool = False) -> Loaded:
     """Read, validate and shape-infer a model; external weights stay on disk, read through the model folder's gate
     only. ``base_dir``: the folder a ModelProto's external data lies in (by default the working directory, where
-    onnx_ir would read it)."""
+    onnx_ir would read it). ``defer_symbolic``: run only onnx's inference now, and leave ONNX Runtime's symbolic
+    inference (seconds on some models) to ``Loaded.pending_shapes``, for the caller to resolve where candidates
+    need it (``demand``)."""
     lazy: FileWeights | None = None
     if isinstance(source, (ir.Model, onnx.ModelProto)):
         path, where = None, "model"
@@ -280,7 +286,11 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     _densify_sparse(proto, where)
     skeleton, constants = validate(proto, where, gate)
     declared = _value_info_names(proto.graph, set())
-    inferred, error = infer_shapes(skeleton)
+    pending = None
+    if defer_symbolic:
+        inferred, error, pending = infer_shapes_deferred(skeleton)
+    else:
+        inferred, error = infer_shapes(skeleton)
     del skeleton  # each copy of the graph is let go as soon as it is not needed: a big graph's peak is its copies
     # inferred types are set on the IR values directly (_set_types): the value_info is not deserialized
     types = list(inferred.graph.value_info)
@@ -300,7 +310,7 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     has_external = gate.attach(model)
     # absolute: a script may change directory between reading and saving
     model.meta[INPUT_FILES] = [Path(os.path.abspath(f)) for f in ([path] if path is not None else []) + gate.files()]
-    return Loaded(model, path, declared, has_external, error, source_weights, gate)
+    return Loaded(model, path, declared, has_external, error, source_weights, gate, pending)
 
 
 #: what the inferred skeleton holds of the full model: its nodes (with the subgraphs' value_info), its outputs, and

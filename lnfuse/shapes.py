@@ -14,6 +14,7 @@ import logging
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 import onnx
 import onnx_ir as ir
@@ -30,46 +31,70 @@ def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     initializers, and a claim is used only where inference says nothing (see ``_merge_claims``). ``proto`` gives
     up its value_info to this function.
     """
-    claims = _take_claims(proto.graph)
-    # the libraries fold constants without a bound: what would pass the budget is hidden from them meanwhile
-    hidden = hide_oversized(proto)
-    try:
-        inferred, error = _infer(proto)
-        if _merge_claims(inferred.graph, claims):
-            # a claim filled a gap: infer again, so the values computed from it get shapes too
-            again, again_error = _infer(inferred)
-            if again_error is None:
-                inferred = again
-    finally:
-        restore(proto, hidden)
-    restore(inferred, hidden)
+    inferred, error, _ = _infer_with_claims(proto, _take_claims(proto.graph), _symbolic)
     return inferred, error
 
 
-def _infer(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
-    """onnx's or ONNX Runtime's inference, whichever completes.
+def infer_shapes_deferred(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None, PendingShapes | None]:
+    """``infer_shapes`` without ONNX Runtime's symbolic inference: onnx's own (C++, exact, milliseconds) only. Where
+    that leaves a dim unknown, the third result holds what the symbolic inference needs to run later
+    (``PendingShapes.resolve``), once it is known which values candidates need; None when onnx's was complete.
+    ``proto`` gives up its value_info, and is kept (without it) by the pending inference."""
+    claims = _take_claims(proto.graph)
+    inferred, error, complete = _infer_with_claims(proto, claims, None)
+    return inferred, error, None if complete else PendingShapes(proto, claims)
+
+
+def _infer_with_claims(proto: onnx.ModelProto, claims: _Claims, symbolic: _Symbolic | None
+                       ) -> tuple[onnx.ModelProto, str | None, bool]:
+    """Inference (``_infer``) with the claims put back where it said nothing; and whether onnx's was complete."""
+    # the libraries fold constants without a bound: what would pass the budget is hidden from them meanwhile
+    hidden = hide_oversized(proto)
+    try:
+        inferred, error, complete = _infer(proto, symbolic)
+        if _merge_claims(inferred.graph, claims):
+            # a claim filled a gap: infer again, so the values computed from it get shapes too
+            again, again_error, again_complete = _infer(inferred, symbolic)
+            if again_error is None:
+                inferred, complete = again, again_complete
+    finally:
+        restore(proto, hidden)
+    restore(inferred, hidden)
+    return inferred, error, complete
+
+
+#: ONNX Runtime's symbolic inference of a model: its partial result, or None where it cannot run
+_Symbolic = Callable[[onnx.ModelProto], "onnx.ModelProto | None"]
+
+
+def _infer(proto: onnx.ModelProto, symbolic: _Symbolic | None) -> tuple[onnx.ModelProto, str | None, bool]:
+    """onnx's or ONNX Runtime's inference, whichever completes; and whether onnx's alone was complete.
 
     The residual rule must prove two addends have the same shape, so symbolic dims must stay consistent through
     Reshape and Shape arithmetic. onnx's inference (C++, milliseconds) often manages; where it leaves a dim
-    unknown (an ``unk__`` per value), ONNX Runtime's symbolic shape inference (Python, ~0.1 ms per node) does it
-    instead, and onnx's then fills in what the symbolic pass left open.
+    unknown (an ``unk__`` per value), ONNX Runtime's symbolic shape inference (Python, ~0.1 ms per node, seconds
+    per Resize on a detector's neck) does it instead, when ``symbolic`` is given, and onnx's then fills in what
+    the symbolic pass left open.
     """
     safe = not _has_huge_input(proto) and not _long_vector(proto) and not _sizes_out_of_sight(proto)
+    quick = None
     if safe:
         with contextlib.suppress(Exception):
             quick = onnx.shape_inference.infer_shapes(proto, data_prop=True)
             if _complete(quick.graph):
-                return quick, None
-    symbolic = _symbolic(proto)
+                return quick, None, True
+    result = symbolic(proto) if symbolic is not None else None
+    if result is None and quick is not None:
+        return quick, None, False  # what the call below would compute again: the same inference, same options
     try:
         # onnx's data propagation is only the fallback: it materializes Size/Shape values, and on a Size of a
         # multi-GB weight it allocates until the machine runs out of memory
-        propagate = symbolic is None and safe
-        return onnx.shape_inference.infer_shapes(symbolic or proto, data_prop=propagate), None
+        propagate = result is None and safe
+        return onnx.shape_inference.infer_shapes(result or proto, data_prop=propagate), None, False
     except Exception as exc:  # noqa: BLE001 - shape inference is a help, not a requirement
-        if symbolic is not None:
-            return symbolic, None
-        return proto, str(exc).splitlines()[0]
+        if result is not None:
+            return result, None, False
+        return proto, str(exc).splitlines()[0], False
 
 
 #: what a graph declares about its values: value_info by name, and its outputs' types
@@ -222,15 +247,20 @@ def _long_vector(proto: onnx.ModelProto) -> bool:
     return False
 
 
-def _symbolic(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+def _symbolic(proto: onnx.ModelProto, check: Callable[[], None] | None = None,
+              plain_resize: bool = False) -> onnx.ModelProto | None:
     """ORT's symbolic inference, keeping partial results. Its public entry point writes a file into the working
-    directory when a node cannot be inferred, so the loop it runs is run here instead."""
+    directory when a node cannot be inferred, so the loop it runs is run here instead. ``check`` is called before
+    each node (a deadline raises there). ``plain_resize``: a resized dim gets a fresh name instead of the
+    expression sympy simplifies (``Recording._infer_Resize``)."""
     if not any(i.domain in ("", "ai.onnx") and i.version >= 7 for i in proto.opset_import):
         return None
     disguised = _undisguise(proto)
     try:
         with _quiet():
             inference = _recording_inference()(2**31 - 1, True, False, 0)
+            inference.check = check
+            inference.plain_resize = plain_resize
             inference._preprocess(proto)
             while inference.run_:
                 inference._infer_impl()
@@ -294,10 +324,43 @@ def _recording_inference():
             super().__init__(*args)
             self.current: onnx.NodeProto | None = None
             self.assumed: list[tuple[onnx.NodeProto, list[str]]] = []
+            self.check: Callable[[], None] | None = None
+            self.plain_resize = False
 
         def _onnx_infer_single_node(self, node):
+            if self.check is not None:
+                self.check()
             self.current = node
             return super()._onnx_infer_single_node(node)
+
+        def _infer_Resize(self, node):  # noqa: N802 - ORT's dispatch name
+            """With ``plain_resize``, the dims ORT would get from ``simplify(floor(d * scale))`` or
+            ``simplify(floor(size))`` without ``simplify``, which takes up to seconds per node on a detector's neck
+            (d is there the expression of every Conv and Resize before it): a size read from a shape is a dim
+            already, d * k for a whole k is whole, and any other scale gives a fresh symbol, which claims nothing
+            (rules then prove less about what follows, never something wrong)."""
+            if not self.plain_resize:
+                return super()._infer_Resize(node)
+            module = _ort_symbolic_shape_infer()
+            shape = self._get_sympy_shape(node, 0)
+            legacy = module.get_opset(self.out_mp_) <= 10
+            scales = self._try_get_value(node, 1 if legacy else 2)
+            sizes = None if legacy else self._try_get_value(node, 3)
+            cropped = module.get_attribute(node, "coordinate_transformation_mode") == b"tf_crop_and_resize"
+            fresh = self._new_symbolic_shape(len(shape), node)
+            dims = []
+            for axis, dim in enumerate(shape):
+                if sizes is not None and axis < len(sizes) and _whole(sizes[axis]):
+                    dims.append(sizes[axis])
+                elif sizes is None and scales is not None and axis < len(scales) and not cropped \
+                        and _whole(scales[axis]) and float(scales[axis]) >= 1:
+                    dims.append(dim * int(scales[axis]))
+                else:
+                    dims.append(fresh[axis])
+            self._update_computed_dims(dims)  # as ORT registers what it computes, so later merges can name them
+            self.known_vi_[node.output[0]].CopyFrom(onnx.helper.make_tensor_value_info(
+                node.output[0], self.known_vi_[node.input[0]].type.tensor_type.elem_type,
+                module.get_shape_from_sympy_shape(dims)))
 
         def _preprocess(self, in_mp):
             super()._preprocess(in_mp)
@@ -342,6 +405,16 @@ def _recording_inference():
             return (2, len(name))
 
     return Recording
+
+
+def _whole(value) -> bool:
+    """A whole number (Python, numpy or sympy), or a sympy expression known to be whole (a dim read by Shape)."""
+    if getattr(value, "is_integer", None) is True:
+        return True
+    try:
+        return float(value) == int(value)
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def _rename_assumed_dims(model: onnx.ModelProto, assumed: list, merged: dict) -> None:

@@ -1,0 +1,132 @@
+"""Shape inference on demand (``lnfuse.demand``): ONNX Runtime's symbolic inference runs only where candidates are,
+and within a budget. What is asserted is behaviour, read from the report's notes (times are the benchmark's:
+``benchmarks/cliff.py``)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import pytest
+from onnx import TensorProto, numpy_helper
+
+import lnfuse
+from lnfuse import demand
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from make_models import build_detector  # noqa: E402 - the benchmark's own generator
+
+
+def _incomplete_for_onnx(model: onnx.ModelProto) -> bool:
+    """Whether onnx's own inference (what lnfuse runs at load) leaves some dim of a computed value unknown."""
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
+        dims = info.type.tensor_type.shape.dim
+        if not info.type.tensor_type.HasField("shape") or any(
+                not d.HasField("dim_value") and (not d.dim_param or d.dim_param.startswith("unk__")) for d in dims):
+            return True
+    return False
+
+
+def _shape_notes(report) -> list[str]:
+    return [note for note in report.notes if note.startswith("shapes:")]
+
+
+def test_no_candidates_no_symbolic_inference():
+    model = build_detector(12)
+    assert _incomplete_for_onnx(model)  # ORT's symbolic inference would have run at load before
+    result = lnfuse.fuse(model)
+    notes = _shape_notes(result.report)
+    assert len(notes) == 1 and "was not run (no normalization candidates" in notes[0]
+    assert not result.report.fused
+    assert [n.op_type for n in result.model.graph.node] == [n.op_type for n in model.graph.node]
+
+
+def test_candidate_behind_many_resizes_still_fuses():
+    model = build_detector(12, norm=True)
+    assert _incomplete_for_onnx(model)
+    result = lnfuse.fuse(model, target="onnx")
+    notes = _shape_notes(result.report)
+    assert any("symbolic inference ran on the whole model (its 12 Resize ops without sympy.simplify)" in n
+               for n in notes), notes
+    assert [f.op_type for f in result.report.fused] == ["LayerNormalization"]
+    assert result.report.fused[0].attributes.get("axis") == 1
+
+
+def test_symbolic_shapes_still_prove_residuals():
+    """BERT's residual adds are fused into SkipLayerNormalization when their addends are proved the same shape,
+    which takes the symbolic inference's dim names (onnx's alone leaves them unknown)."""
+    path = REPO / "sample_models" / "bert_tiny_legacy_op14.onnx"
+    assert _incomplete_for_onnx(onnx.load(str(path)))
+    report = lnfuse.fuse(str(path)).report
+    assert any("symbolic inference ran on the whole model" in n for n in _shape_notes(report))
+    assert sum(f.op_type == "SkipLayerNormalization" for f in report.fused) == 4
+
+
+def _branchy(width: int = 4) -> onnx.ModelProto:
+    """A LayerNorm over the last axis of x, and beside it a branch of Resizes the norm does not read: the
+    candidates' cone is the norm and what feeds it."""
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "h", width])
+    nodes = [oh.make_node("ReduceMean", ["x"], ["m"], axes=[-1]), oh.make_node("Sub", ["x", "m"], ["c"]),
+             oh.make_node("Mul", ["c", "c"], ["s"]), oh.make_node("ReduceMean", ["s"], ["v"], axes=[-1]),
+             oh.make_node("Add", ["v", "eps"], ["ve"]), oh.make_node("Sqrt", ["ve"], ["d"]),
+             oh.make_node("Div", ["c", "d"], ["y"]), oh.make_node("Mul", ["y", "gamma"], ["norm"])]
+    previous = "x"
+    for i in range(3):
+        nodes.append(oh.make_node("Resize", [previous, "", "scales"], [f"r{i}"], mode="nearest"))
+        previous = f"r{i}"
+    inits = [numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
+             numpy_helper.from_array(np.linspace(0.5, 1.5, width).astype(np.float32), "gamma"),
+             numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")]
+    graph = oh.make_graph(nodes, "branchy", [x], [oh.make_tensor_value_info("norm", TensorProto.FLOAT, None),
+                                                  oh.make_tensor_value_info(previous, TensorProto.FLOAT, None)], inits)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+def test_cone_holds_the_candidates_and_what_feeds_them():
+    model = _branchy()
+    cone = demand._cone(model.graph, {"c", "y"})
+    # the nodes that write or read a seed, and every node they are computed from; not the Resize branch
+    assert [model.graph.node[i].output[0] for i in cone] == ["m", "c", "s", "v", "ve", "d", "y", "norm"]
+    sub, names = demand._sub_skeleton(model, cone)
+    assert names == {"m", "c", "s", "v", "ve", "d", "y", "norm"}
+    assert [o.name for o in sub.graph.output] == ["norm"]
+    result = lnfuse.fuse(model, target="onnx")
+    assert [f.op_type for f in result.report.fused] == ["LayerNormalization"]
+
+
+def test_budget_stops_pure_python_work_and_leaves_nothing_pending():
+    def endless(check) -> None:
+        deadline = time.perf_counter() + 60  # the budget must stop it long before
+        while time.perf_counter() < deadline:
+            sum(range(1000))
+        raise AssertionError("the budget did not stop the work")
+
+    assert demand._within(0.05, endless) is None
+    # nothing is left to be raised later in this thread, and work within its budget returns its result
+    for _ in range(5):
+        sum(range(100_000))
+    assert demand._within(5.0, lambda check: "done") == "done"
+
+
+def test_budget_check_between_nodes_raises_once_spent():
+    def spend(check) -> str:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.1:
+            pass
+        check()
+        return "not stopped"
+
+    assert demand._within(0.02, spend) is None
+
+
+@pytest.mark.parametrize("resizes", [12])
+def test_no_candidate_report_names_the_graph_size(resizes):
+    model = build_detector(resizes)
+    (note,) = _shape_notes(lnfuse.fuse(model).report)
+    assert f"in {len(model.graph.node)} nodes" in note
