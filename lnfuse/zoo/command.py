@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     todo = [job for job in jobs if job.source not in rows]
     start = time.monotonic()
     try:
-        if args.ray is not None:  # ray_runner: next commit
+        if args.ray is not None:
             from lnfuse.zoo.ray_runner import run_ray
             run_ray(todo, args.ray, args.jobs, args.timeout, args.max_memory, progress.started, finished)
         else:
