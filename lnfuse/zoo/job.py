@@ -83,6 +83,13 @@ def _fuse(job: Job) -> dict:
     report = result.report
     fused = report.fused_counts()
     done = {"fused": fused, "refused": len(report.unfused)}
+    starved = next((u for u in report.unfused if _OUT_OF_MEMORY.search(u.reason)), None)
+    if starved is not None:
+        # a check that could not run for lack of memory is no verdict on the model: written, the output would
+        # depend on the memory limit
+        return done | {"status": "over memory", "exit": BAD, "reason": one_line(
+            f"ran out of memory verifying {starved.anchor} [{starved.rule}] ({_OUT_OF_MEMORY.search(starved.reason)"
+            f".group()} in ONNX Runtime); nothing was written; raise --max-memory")}
     if report.model_check is not None and not report.model_check["ok"]:
         return done | {"status": "differs", "exit": LEFT, "reason": f"the fused model differs from the original "
                        f"({report.model_check['summary']}); nothing was written, please report this model"}

@@ -8,7 +8,7 @@ import resource
 import signal
 from pathlib import Path
 
-#: a worker's own address space with lnfuse, onnx_ir, ONNX Runtime and numpy imported and a small model fused
+#: a worker's own memory with lnfuse, onnx_ir, ONNX Runtime and numpy imported and a small model fused
 WORKER_BASE = 450 << 20
 
 
@@ -39,12 +39,18 @@ def available_memory() -> int:
 
 
 def cap_memory(max_memory: int | None) -> None:
-    """In a worker: its address space may not pass ``max_memory`` (an allocation past it fails, in Python as a
-    MemoryError, in ONNX Runtime as an error), so one model cannot take the machine's memory from the others."""
+    """In a worker: the memory it allocates may not pass ``max_memory`` (an allocation past it fails, in Python as a
+    MemoryError, in ONNX Runtime as an error), so one model cannot take the machine's memory from the others.
+
+    The limit is RLIMIT_DATA (heap and private writable mappings; Linux counts mmap'd allocations in it since 4.7),
+    not RLIMIT_AS: lnfuse maps the model file and reads external weights through read-only file mappings, which
+    take address space but no memory of their own (the page cache can drop them), and under RLIMIT_AS a 3 GB
+    external-data model could not be opened under a 2 GB limit although it needs a few hundred MB."""
     if max_memory:
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        kind = getattr(resource, "RLIMIT_DATA", resource.RLIMIT_AS)
+        _, hard = resource.getrlimit(kind)
         limit = max_memory if hard == resource.RLIM_INFINITY else min(max_memory, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        resource.setrlimit(kind, (limit, hard))
 
 
 def death(exitcode: int | None, max_memory: int | None) -> tuple[str, str]:

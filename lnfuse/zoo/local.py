@@ -2,7 +2,7 @@
 
 The workers are forked from a server process that imported the optimizer once (multiprocessing's forkserver), so a
 worker costs no imports, and one that is replaced costs a fork. Each worker caps its own address space
-(``--max-memory``); the parent kills a worker whose model passes ``--timeout`` and starts another. A worker that
+(``--max-memory``, see ``limits.cap_memory``); the parent kills a worker whose model passes ``--timeout`` and starts another. A worker that
 dies loses only the model it held: every other result has already been handed back. Models go largest first, and
 a model starts only when the memory expected of it fits beside the running ones."""
 
@@ -18,7 +18,7 @@ from typing import Callable
 from lnfuse.zoo.job import BAD, INTERNAL, Job, run
 from lnfuse.zoo.limits import available_memory, cap_memory, death
 
-#: a worker whose address space has grown past this share of --max-memory retires after its model, so that what
+#: a worker whose memory has grown past this share of --max-memory retires after its model, so that what
 #: one model left behind (fragmentation, caches) cannot make the next one fail
 _RETIRE = 0.7
 
@@ -52,7 +52,7 @@ def serve(conn: Connection, max_memory: int | None) -> None:
         if job is None:
             return
         row = run(job, lambda content: conn.send(("hashed", content)))
-        retire = row["status"] == "over memory" or (max_memory and _address_space() > _RETIRE * max_memory)
+        retire = row["status"] == "over memory" or (max_memory and _data_size() > _RETIRE * max_memory)
         conn.send(("row", row, bool(retire)))
         if retire:
             return
@@ -149,12 +149,16 @@ def _collect(worker: _Worker, timeout: float | None, max_memory: int | None) -> 
                    seconds=round(time.monotonic() - worker.started, 3), **worker.content), False
 
 
-def _address_space() -> int:
+def _data_size() -> int:
+    """What RLIMIT_DATA counts so far (VmData), or 0 where /proc does not say."""
     try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
-        return 0
+        pass
+    return 0
 
 
 def _die_with_parent() -> None:
