@@ -87,9 +87,10 @@ def _fuse(job: Job) -> dict:
     if starved is not None:
         # a check that could not run for lack of memory is no verdict on the model: written, the output would
         # depend on the memory limit
+        said = _OUT_OF_MEMORY.search(starved.reason).group()
         return done | {"status": "over memory", "exit": BAD, "reason": one_line(
-            f"ran out of memory verifying {starved.anchor} [{starved.rule}] ({_OUT_OF_MEMORY.search(starved.reason)"
-            f".group()} in ONNX Runtime); nothing was written; raise --max-memory")}
+            f"ran out of memory verifying {starved.anchor} [{starved.rule}] ({said} in ONNX Runtime); nothing was "
+            "written; raise --max-memory")}
     if report.model_check is not None and not report.model_check["ok"]:
         return done | {"status": "differs", "exit": LEFT, "reason": f"the fused model differs from the original "
                        f"({report.model_check['summary']}); nothing was written, please report this model"}
