@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 from lnfuse.zoo.command import run as run_many
                 return run_many(args)
             if command == "fuse":
+                zoo_options.check_single(args)
                 args.model = args.model[0]
             return _run(command, args)
     except LnfuseError as error:

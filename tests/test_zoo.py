@@ -53,7 +53,7 @@ def test_folders_files_globs_and_a_list_mirror_the_input_tree(tree: Path, tmp_pa
     listed.write_text(f"# one a line\n{tree / 'loose' / QUICK[5]}\n\n")
     out = tmp_path / "out"
     proc = lnfuse(str(tree / "zoo"), str(tree / "loose" / QUICK[4]), str(tree / "zoo" / "b" / "*" / "*.onnx"),
-                  "--from-list", str(listed), "-o", str(out), "--jobs", "2")
+                  "--from-list", str(listed), "-o", str(out), "--jobs", "2", "--report", str(tmp_path / "reports"))
     assert proc.returncode == 0, proc.stderr
     expected = {f"zoo/a/{QUICK[0]}", f"zoo/a/{QUICK[1]}", f"zoo/b/c/{QUICK[2]}", f"zoo/b/c/{QUICK[3]}",
                 "zoo/ext/ext.onnx", f"loose/{QUICK[4]}", f"loose/{QUICK[5]}"}
@@ -64,6 +64,8 @@ def test_folders_files_globs_and_a_list_mirror_the_input_tree(tree: Path, tmp_pa
         assert (out / relative).is_file()
     assert (out / "zoo" / "ext" / "ext.data").read_bytes() == (tree / "zoo" / "ext" / "ext.data").read_bytes(), \
         "external data beside its output"
+    assert json.loads((tmp_path / "reports" / "zoo" / "ext" / "ext.onnx.json").read_text())["fused_counts"] == \
+        {"LayerNormalization": 2}, "--report names a folder of per-model reports"
     assert "models: 7  fused: 7" in proc.stdout and "LayerNormalization" in proc.stdout
     assert re.search(r"^\[ *\d+/7\] fused", proc.stderr, re.M), "plain progress lines when not a terminal"
 
@@ -153,7 +155,9 @@ def test_usage_errors_are_one_line(tree: Path, tmp_path: Path):
     file = tmp_path / "file"
     file.write_text("")
     for args, said in (([str(tree / "zoo"), "-o", str(file)], "names the output folder"),
-                       ([str(tmp_path / "nothing*.onnx"), "-o", str(tmp_path / "o")], "no file matches")):
+                       ([str(tmp_path / "nothing*.onnx"), "-o", str(tmp_path / "o")], "no file matches"),
+                       ([str(tree / "loose" / QUICK[4]), "-o", str(tmp_path / "m.onnx"), "--timeout", "5"],
+                        "apply to a run over many models")):
         proc = lnfuse(*args)
         assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
 

@@ -9,6 +9,8 @@ import glob
 import os
 import re
 
+from lnfuse.errors import UsageError
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
@@ -36,6 +38,15 @@ def is_many(args: argparse.Namespace) -> bool:
         return True
     only = args.model[0]
     return os.path.isdir(only) or (not os.path.exists(only) and glob.has_magic(only))
+
+
+def check_single(args: argparse.Namespace) -> None:
+    """The many-model options that mean nothing for one model: refused rather than ignored."""
+    given = [flag for flag, name in (("--timeout", "timeout"), ("--max-memory", "max_memory"), ("--ledger", "ledger"))
+             if getattr(args, name) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} apply to a run over many models (several inputs, a folder, a glob, "
+                         "--from-list or --jobs, with -o naming a folder); drop them for one model")
 
 
 def parse_size(text: str) -> int:
