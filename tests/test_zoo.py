@@ -189,6 +189,25 @@ def test_a_killed_run_resumes_with_only_the_rest(tmp_path: Path):
     assert len(ledger(out)) == 12 and "12 model(s) taken from the ledger" in again.stdout
 
 
+def test_ctrl_c_keeps_what_finished(tmp_path: Path):
+    models = tmp_path / "models"
+    for copy in range(2):
+        copy_samples(models / f"copy{copy}", QUICK[:4])
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-m", "lnfuse.cli", str(models), "-o", str(out), "--jobs", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    book = out / "lnfuse-ledger.jsonl"
+    deadline = time.monotonic() + 300
+    while not (book.exists() and book.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stderr
+    assert "rerun the same command" in stderr.splitlines()[-1] and "Traceback" not in stderr
+    kept = len(ledger(out))
+    assert 1 <= kept < 8 and all((out / row["model"]).is_file() for row in ledger(out))
+
+
 def test_a_changed_model_or_option_is_done_again(tmp_path: Path):
     models = tmp_path / "models"
     copy_samples(models, QUICK[:2])
