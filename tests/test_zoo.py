@@ -151,6 +151,16 @@ def test_exit_code_is_the_worst_models(tmp_path: Path):
         {QUICK[0]: 0, "left.onnx": 1, "bad.onnx": 2}
 
 
+def test_an_output_folder_inside_the_inputs_is_not_an_input(tmp_path: Path):
+    models = tmp_path / "models"
+    copy_samples(models, QUICK[:2])
+    for _ in range(2):
+        proc = lnfuse(str(models), "-o", str(models / "fused"), "--jobs", "1")
+        assert proc.returncode == 0, proc.stderr
+    assert sorted(r["model"] for r in ledger(models / "fused")) == sorted(QUICK[:2]), "its outputs never fused"
+    assert "2 model(s) taken from the ledger" in proc.stdout
+
+
 def test_usage_errors_are_one_line(tree: Path, tmp_path: Path):
     file = tmp_path / "file"
     file.write_text("")
