@@ -1,15 +1,14 @@
 """One machine: long-lived worker processes, one model at a time each, under a watchdog.
 
 The workers are forked from a server process that imported the optimizer once (multiprocessing's forkserver), so a
-worker costs no imports, and one that is replaced costs a fork. Each worker caps its own address space
-(``--max-memory``, see ``limits.cap_memory``); the parent kills a worker whose model passes ``--timeout`` and starts another. A worker that
-dies loses only the model it held: every other result has already been handed back. Models go largest first, and
-a model starts only when the memory expected of it fits beside the running ones."""
+worker costs no imports, and one that is replaced costs a fork. Each worker caps its own memory (``--max-memory``,
+see ``limits.cap_memory``); the parent kills a worker whose model passes ``--timeout`` and starts another. A worker
+that dies loses only the model it held: every other result has already been handed back. Models go largest first,
+and a model starts only when the memory expected of it fits beside the running ones."""
 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import time
 from multiprocessing.connection import Connection, wait

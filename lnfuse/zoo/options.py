@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timeout", type=_seconds, metavar="SECONDS",
                        help="per model: stop it and record a timeout past this many seconds (default: none)")
     group.add_argument("--max-memory", type=parse_size, metavar="SIZE",
-                       help="per model: the most memory its worker may allocate (RLIMIT_DATA; mapped model files do not "
-                       "count), e.g. 4G (default: none)")
+                       help="per model: the most memory its worker may allocate (RLIMIT_DATA; mapped model files "
+                       "do not count), e.g. 4G (default: none)")
     group.add_argument("--ledger", metavar="FILE", help="JSON Lines, one row per finished model, written as each "
                        "finishes; a rerun skips what it already holds (default: OUTDIR/lnfuse-ledger.jsonl)")
     group.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help="run the models as Ray tasks: on the "

@@ -29,9 +29,10 @@ def closing_table(rows: list[dict], *, wall: float, resumed: int = 0, verbose: b
         for op, count in sorted(fused.items(), key=lambda item: (-item[1], item[0])):
             lines.append(f"{op:<34} {count:>7} {sum(1 for r in rows if op in r['fused']):>7}")
     refused = sum(row["refused"] for row in rows)
+    bytes_in, bytes_out = sum(r["bytes_in"] for r in rows), sum(r["bytes_out"] for r in rows)
     lines += ["", f"refused candidates: {refused} in {sum(1 for r in rows if r['refused'])} model(s)",
-              f"seconds: {sum(r['seconds'] for r in rows):.1f} in the models; bytes in {size_text(sum(r['bytes_in'] for r in rows))}, "
-              f"out {size_text(sum(r['bytes_out'] for r in rows))}",
+              f"seconds: {sum(r['seconds'] for r in rows):.1f} in the models; bytes in {size_text(bytes_in)}, "
+              f"out {size_text(bytes_out)}",
               f"this run: {wall:.1f} s wall" + (f", {resumed} model(s) taken from the ledger" if resumed else "")]
     shown = [row for row in rows if verbose or row["exit"] != OK]
     if shown:
