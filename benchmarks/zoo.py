@@ -16,8 +16,9 @@ Every mode runs every model with the same limits, ``--timeout 20`` and ``--max-m
 * ``ray``    ``lnfuse models/ -o out --ray --jobs 2`` (a new local Ray instance, its start included).
 
 Before and after the runs, how much more CPU-bound work two processes get done than one (2.0 on two free cores;
-a shared VM may give less, and then no pool can show 1.8x). Measured per mode: wall time, the peak of the summed RSS of the run's process tree (sampled every 0.1 s), the load
-average before and after (the machine may be shared). Checked: every model has a row, the bad ones fail with the
+a shared VM may give less, and then no pool can show 1.8x). Measured per mode: wall time, the peak of the summed
+RSS of the run's process tree (sampled every 0.1 s), the load average before and after (the machine may be
+shared). Checked: every model has a row, the bad ones fail with the
 right reason and only they, and every output is byte-identical to the shell loop's single-model output.
 Targets (PASS/FAIL lines): ``jobs2`` at least 1.8x ``jobs1``; ``jobs1`` at least 3x the loop; peak memory under
 ``--max-memory`` x workers.
