@@ -213,7 +213,7 @@ def test_ctrl_c_keeps_what_finished(tmp_path: Path):
     run.send_signal(signal.SIGINT)
     stdout, stderr = run.communicate(timeout=60)
     assert run.returncode == 130, stderr
-    assert "rerun the same command" in stderr.splitlines()[-1] and "Traceback" not in stderr
+    assert "rerun the same command" in stderr.splitlines()[-1] and "Traceback" not in stderr, stderr
     kept = len(ledger(out))
     assert 1 <= kept < 8 and all((out / row["model"]).is_file() for row in ledger(out))
 

@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     output.mkdir(parents=True, exist_ok=True)
     options = {"target": args.target, "verify": not args.no_verify, "only": _rules(args.only),
                "skip": _rules(args.skip), "upgrade_opset": args.upgrade_opset,
-               "verify_model": args.verify == "model", "quantize_embeddings": args.quantize_embeddings}
+               "verify_model": args.verify == "model", "quantize_embeddings": args.quantize_embeddings,
+               "allow_requantization": args.allow_requantization}
     jobs = [Job(str(m.path), str(output / m.relative), str(m.relative), options, args.external_data, args.in_place,
                 os.path.abspath(args.inputs) if args.inputs else None,
                 str(report_folder / f"{m.relative}.json") if report_folder is not None else None,

@@ -121,18 +121,31 @@ def _inputs(path: str | None) -> dict | None:
 def _content(path: Path) -> dict:
     """The model's identity for resuming: a hash of its bytes and of each data file it reads (which are only
     known once its references passed the trust checks), and how many bytes that is."""
-    from lnfuse import io
-
     try:
-        _, _, data_files = io.read_proto(path)
+        names = data_files(path)
     except LnfuseError:
-        data_files = []
+        names = []
         if not path.is_file():
             raise
-    names = [os.path.relpath(f, path.parent) for f in data_files]
     digest = content_digest(path, names)
     size = path.stat().st_size + sum((path.parent / n).stat().st_size for n in names)
     return {"sha256": digest, "data_files": names, "bytes_in": size}
+
+
+def data_files(path: Path) -> list[str]:
+    """The external-data files ``path`` reads, relative to its folder, each admitted by lnfuse's gate (inside the
+    folder, a regular file of one link, long enough), or ``InputError`` naming the reference that is not."""
+    import onnx
+
+    from lnfuse import io
+    from lnfuse.gate import Gate, every_tensor
+
+    proto, weights = io.read_proto(path)
+    gate = Gate(path.parent, str(path))
+    for tensor, _ in every_tensor(proto):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and not (weights is not None and weights.holds(tensor)):
+            gate.admit(tensor)
+    return [os.path.relpath(f, gate.folder) for f in gate.files()]
 
 
 def content_digest(path: Path, data_files: list[str]) -> str | None:
@@ -160,10 +173,8 @@ def _written_bytes(output: Path, layout: str, external: bool) -> int:
     if layout == "single":
         data = output.with_name(output.name + ".data")
         return total + (data.stat().st_size if data.exists() else 0)
-    from lnfuse import io
-
     try:
-        _, _, files = io.read_proto(output)
+        files = data_files(output)
     except LnfuseError:
         return total
-    return total + sum(f.stat().st_size for f in files)
+    return total + sum((output.parent / f).stat().st_size for f in files)

@@ -8,11 +8,12 @@ and a model starts only when the memory expected of it fits beside the running o
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import signal
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Callable
+from typing import Callable, Iterator
 
 from lnfuse.zoo.job import BAD, INTERNAL, Job, run
 from lnfuse.zoo.limits import available_memory, cap_memory, death
@@ -50,9 +51,12 @@ def serve(conn: Connection, max_memory: int | None) -> None:
             return
         if job is None:
             return
-        row = run(job, lambda content: conn.send(("hashed", content)))
-        retire = row["status"] == "over memory" or (max_memory and _data_size() > _RETIRE * max_memory)
-        conn.send(("row", row, bool(retire)))
+        try:
+            row = run(job, lambda content: conn.send(("hashed", content)))
+            retire = row["status"] == "over memory" or (max_memory and _data_size() > _RETIRE * max_memory)
+            conn.send(("row", row, bool(retire)))
+        except OSError:  # the run is gone (interrupted, killed): nobody to answer
+            return
         if retire:
             return
 
@@ -70,21 +74,14 @@ def run_local(jobs: list[Job], workers: int, timeout: float | None, max_memory: 
     busy: list[_Worker] = []
     try:
         while pending or busy:
-            while pending and len(busy) < workers:
-                job = _admit(pending, budget - sum(w.job.estimate for w in busy), not busy)
-                if job is None:
-                    break
-                worker = idle.pop() if idle else _Worker(context, max_memory)
-                worker.job, worker.started, worker.content = job, time.monotonic(), {}
-                started(job)
-                try:
-                    worker.conn.send(job)
-                except OSError:  # it died while idle: its replacement takes the job
-                    worker.stop()
-                    worker = _Worker(context, max_memory)
-                    worker.job, worker.started = job, time.monotonic()
-                    worker.conn.send(job)
-                busy.append(worker)
+            with _interrupts_deferred():  # a Ctrl-C here would leave a worker the cleanup below does not know
+                while pending and len(busy) < workers:
+                    job = _admit(pending, budget - sum(w.job.estimate for w in busy), not busy)
+                    if job is None:
+                        break
+                    busy.append(_dispatch(idle.pop() if idle else _Worker(context, max_memory), job, context,
+                                          max_memory))
+                    started(job)
             _wait(busy, timeout)
             for worker in list(busy):
                 row, keep = _collect(worker, timeout, max_memory)
@@ -105,6 +102,32 @@ def run_local(jobs: list[Job], workers: int, timeout: float | None, max_memory: 
                 except OSError:
                     pass
             worker.stop()
+
+
+def _dispatch(worker: _Worker, job: Job, context: multiprocessing.context.BaseContext,
+              max_memory: int | None) -> _Worker:
+    """Hand ``job`` to ``worker``, or to a new worker if that one died while idle."""
+    worker.job, worker.started, worker.content = job, time.monotonic(), {}
+    try:
+        worker.conn.send(job)
+        return worker
+    except OSError:
+        worker.stop()
+        return _dispatch(_Worker(context, max_memory), job, context, max_memory)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C (SIGINT) held back while workers are started and handed jobs; delivered, as KeyboardInterrupt, when
+    the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _admit(pending: list[Job], free: int, alone: bool) -> Job | None:
