@@ -70,8 +70,7 @@ def run(args: argparse.Namespace) -> int:
             run_ray(todo, args.ray, args.jobs, args.timeout, args.max_memory, progress.started, finished)
         else:
             from lnfuse.zoo.local import run_local
-            run_local(todo, args.jobs or os.cpu_count() or 1, args.timeout, args.max_memory, progress.started,
-                      finished)
+            run_local(todo, args.jobs or _cores(), args.timeout, args.max_memory, progress.started, finished)
     except KeyboardInterrupt:
         progress.close()
         print(f"lnfuse: interrupted; {len(rows)} of {len(jobs)} model(s) finished and kept in {ledger.path}; rerun "
@@ -88,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
         print(closing_table(ordered, wall=time.monotonic() - start, resumed=resumed, verbose=args.verbose))
         print(f"wrote {output}/ (ledger {ledger.path})")
     return code
+
+
+def _cores() -> int:
+    """The cores this process may run on (a container or taskset may allow fewer than the machine has)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _rules(text: str | None) -> list[str] | None:
