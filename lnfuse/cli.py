@@ -1,6 +1,7 @@
 """The lnfuse command.
 
     lnfuse model.onnx -o fused.onnx [options]     fuse (the default command)
+    lnfuse a.onnx dir/ 'z/*.onnx' -o OUTDIR       many models: all cores (--jobs) or Ray (--ray), one table
     lnfuse explain model.onnx                     every candidate, fused or not, and why
     lnfuse decompose fused.onnx -o plain.onnx     fused norm ops back into primitive ONNX ops
     lnfuse check model.onnx                       exit 1 if a norm-like candidate is left unfused (for CI gates)
@@ -21,6 +22,7 @@ from pathlib import Path
 # that runs it, so --help and usage errors answer at once
 from lnfuse.errors import LnfuseError, UsageError
 from lnfuse.targets import TARGETS
+from lnfuse.zoo import options as zoo_options
 
 COMMANDS = ("fuse", "explain", "decompose", "check")
 
@@ -29,8 +31,9 @@ def _rules(text: str | None) -> list[str] | None:
     return [r.strip() for r in text.split(",") if r.strip()] if text else None
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="input .onnx file (never modified)")
+def _common(parser: argparse.ArgumentParser, many: bool = False) -> None:
+    parser.add_argument("model", nargs="+" if many else None,
+                        help="input .onnx file (never modified)" + ("; or several, folders and globs" if many else ""))
     parser.add_argument("--target", choices=TARGETS, default="ort",
                         help="ort (default): may write ONNX Runtime's fused ops; onnx: standard ONNX ops only")
     parser.add_argument("--no-verify", action="store_true", help="skip the per-rewrite check in ONNX Runtime")
@@ -69,7 +72,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--in-place", action="store_true", help="allow the output to be the input file")
         parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
         return parser
-    _common(parser)
+    _common(parser, many=command == "fuse")
     if command == "explain":
         parser.add_argument("--annotate", metavar="OUT.onnx", help="also write a copy of the model (weights "
                             "unchanged) whose candidate nodes say why they were left unfused, for Netron")
@@ -90,6 +93,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
                             help="write QEmbedLayerNormalization with per-tensor quantized tables (changes numbers; "
                                  "the report gives the worst difference to the float model)")
         parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+        zoo_options.add_arguments(parser)
     return parser
 
 
@@ -101,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser(command).parse_args(argv)
     try:
         with contextlib.redirect_stdout(_ReaderMayLeave(sys.stdout)):
+            if command == "fuse" and zoo_options.is_many(args):
+                from lnfuse.zoo.command import run as run_many
+                return run_many(args)
+            if command == "fuse":
+                zoo_options.check_single(args)
+                args.model = args.model[0]
             return _run(command, args)
     except LnfuseError as error:
         print(f"lnfuse: error: {error}", file=sys.stderr)

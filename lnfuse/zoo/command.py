@@ -1,0 +1,98 @@
+"""``lnfuse a.onnx dir/ 'glob*.onnx' --from-list FILE -o OUTDIR``: the run over many models, from the parsed
+command line to the closing table and the exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from lnfuse.errors import UsageError
+from lnfuse.version import version_line
+from lnfuse.zoo.inputs import expand
+from lnfuse.zoo.job import Job
+from lnfuse.zoo.ledger import Ledger
+from lnfuse.zoo.limits import estimate
+from lnfuse.zoo.progress import Progress
+from lnfuse.zoo.table import closing_table, exit_code
+
+LEDGER_NAME = "lnfuse-ledger.jsonl"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Fuse every model the arguments name; the worst model's exit code."""
+    output = Path(os.path.abspath(args.output))
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"-o {output}: is a file; with many models -o names the output folder")
+    report_folder = Path(args.report) if args.report else None
+    if report_folder is not None and report_folder.exists() and not report_folder.is_dir():
+        raise UsageError(f"--report {report_folder}: is a file; with many models --report names a folder")
+    models = expand(args.model, args.from_list, output, exclude=not args.in_place)
+    output.mkdir(parents=True, exist_ok=True)
+    options = {"target": args.target, "verify": not args.no_verify, "only": _rules(args.only),
+               "skip": _rules(args.skip), "upgrade_opset": args.upgrade_opset,
+               "verify_model": args.verify == "model", "quantize_embeddings": args.quantize_embeddings,
+               "allow_requantization": args.allow_requantization}
+    jobs = [Job(str(m.path), str(output / m.relative), str(m.relative), options, args.external_data, args.in_place,
+                os.path.abspath(args.inputs) if args.inputs else None,
+                str(report_folder / f"{m.relative}.json") if report_folder is not None else None,
+                estimate(m.path, args.max_memory)) for m in models]
+    ledger = Ledger(Path(args.ledger) if args.ledger else output / LEDGER_NAME)
+    limits = {"timeout": args.timeout, "max_memory": args.max_memory}
+    version = version_line()
+    rows: dict[str, dict] = {}
+    for job in jobs:
+        row = ledger.finished(job, version, limits)
+        if row is not None:
+            rows[job.source] = row
+    resumed = len(rows)
+    quiet = args.quiet or args.json
+    progress = Progress(len(jobs), quiet=quiet)
+    if resumed and not quiet:
+        print(f"lnfuse: {resumed} of {len(jobs)} model(s) already finished in {ledger.path}; running the rest",
+              file=sys.stderr)
+    progress.resumed(resumed)
+
+    def finished(row: dict) -> None:
+        row["limits"] = limits
+        ledger.append(row)
+        rows[row["input"]] = row
+        progress.finished(row)
+
+    todo = [job for job in jobs if job.source not in rows]
+    start = time.monotonic()
+    try:
+        if args.ray is not None:
+            from lnfuse.zoo.ray_runner import run_ray
+            run_ray(todo, args.ray, args.jobs, args.timeout, args.max_memory, progress.started, finished)
+        else:
+            from lnfuse.zoo.local import run_local
+            run_local(todo, args.jobs or _cores(), args.timeout, args.max_memory, progress.started, finished)
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"lnfuse: interrupted; {len(rows)} of {len(jobs)} model(s) finished and kept in {ledger.path}; rerun "
+              "the same command to do the rest", file=sys.stderr)
+        return 130
+    finally:
+        ledger.close()
+    progress.close()
+    ordered = [rows[job.source] for job in jobs]
+    code = exit_code(ordered)
+    if args.json:
+        print(json.dumps({"exit": code, "models": ordered}, indent=1))
+    elif not args.quiet:
+        print(closing_table(ordered, wall=time.monotonic() - start, resumed=resumed, verbose=args.verbose))
+        print(f"wrote {output}/ (ledger {ledger.path})")
+    return code
+
+
+def _cores() -> int:
+    """The cores this process may run on (a container or taskset may allow fewer than the machine has)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _rules(text: str | None) -> list[str] | None:
+    return [r.strip() for r in text.split(",") if r.strip()] if text else None

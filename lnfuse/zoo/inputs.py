@@ -1,0 +1,92 @@
+"""From the command line's inputs (files, folders, globs, a list file) to the models to fuse, each with the path
+its output takes under the output folder, which mirrors the input tree."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from lnfuse.errors import UsageError
+
+#: lnfuse's own temporary folders (``io.save``'s staging) are never inputs
+_STAGING = ".lnfuse-tmp"
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model to fuse: where it is, and its path relative to the root of the inputs (mirrored under -o)."""
+
+    path: Path
+    relative: Path
+
+
+def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude: bool = True) -> list[Model]:
+    """Every model the arguments name, once each, in a stable order. A folder gives its ``*.onnx`` files at any
+    depth (links to folders are not followed; the output folder is skipped, so that a rerun does not fuse its own
+    outputs); a glob gives the files it matches; a file is taken whatever its name. A path that does not exist
+    stays in the list: its row says so, as for any other bad input. ``exclude=False`` (--in-place, where the
+    outputs are the inputs) keeps the output folder in."""
+    entries = list(arguments)
+    if from_list is not None:
+        entries += _listed(from_list)
+    skipped = Path(os.path.abspath(output)) if exclude else None
+    found: list[tuple[Path, Path]] = []  # (model, the folder its argument is rooted at)
+    for entry in entries:
+        path = Path(os.path.abspath(entry))
+        if path.is_dir():
+            found += [(model, path) for model in _walk(path, skipped)]
+        elif not path.exists() and glob.has_magic(entry):
+            matches = [Path(os.path.abspath(m)) for m in sorted(glob.glob(entry, recursive=True))]
+            matches = [m for m in matches if m.is_file() and not _under(m, skipped) and _STAGING not in str(m)]
+            if not matches:
+                raise UsageError(f"{entry}: no file matches; check the pattern (quote it so the shell does not "
+                                 "expand it first)")
+            root = Path(os.path.abspath(_fixed_prefix(entry)))
+            found += [(m, root) for m in matches]
+        else:
+            found.append((path, path.parent))
+    if not found:
+        raise UsageError("no .onnx file in the inputs; give model files, folders holding them, or globs")
+    root = Path(os.path.commonpath([str(r) for _, r in found]))
+    models, seen = [], set()
+    for path, _ in found:
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen.add(key)
+            models.append(Model(path, path.relative_to(root)))
+    return models
+
+
+def _listed(from_list: str) -> list[str]:
+    try:
+        lines = Path(from_list).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"--from-list {from_list}: cannot read it ({error}); give a text file, one path a line")\
+            from None
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def _walk(folder: Path, output: Path | None) -> list[Path]:
+    models = []
+    for where, folders, files in os.walk(folder):  # followlinks=False: a link loop in a model folder ends nothing
+        here = Path(where)
+        folders[:] = sorted(f for f in folders if not f.endswith(_STAGING) and not _under(here / f, output))
+        models += [here / f for f in sorted(files) if f.endswith(".onnx") and (here / f).is_file()]
+    return models
+
+
+def _under(path: Path, folder: Path | None) -> bool:
+    return folder is not None and (path == folder or folder in path.parents)
+
+
+def _fixed_prefix(pattern: str) -> str:
+    """The folder part of a glob before its first wildcard: ``zoo/a/*/m.onnx`` is rooted at ``zoo/a``."""
+    parts = Path(pattern).parts
+    fixed: list[str] = []
+    for part in parts:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    return str(Path(*fixed)) if fixed else "."

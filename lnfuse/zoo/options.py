@@ -1,0 +1,79 @@
+"""The command-line options of a many-model run, and when a ``lnfuse`` command is one.
+
+Imported by the CLI for every command, so it imports nothing heavy."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+
+from lnfuse.errors import UsageError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that only a run over many models has (the single-model ones apply to each model)."""
+    group = parser.add_argument_group("many models (several inputs, a folder, a glob, or --from-list: -o names "
+                                      "an output folder that mirrors the input tree; see docs/zoo.md)")
+    group.add_argument("--from-list", metavar="FILE", help="also fuse the models listed in FILE (one path, folder "
+                       "or glob a line, relative to the current folder; # comments)")
+    group.add_argument("--jobs", type=_positive_int, metavar="N", help="worker processes (default: the cores)")
+    group.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                       help="per model: stop it and record a timeout past this many seconds (default: none)")
+    group.add_argument("--max-memory", type=parse_size, metavar="SIZE",
+                       help="per model: the most memory its worker may allocate (RLIMIT_DATA; mapped model files "
+                       "do not count), e.g. 4G (default: none)")
+    group.add_argument("--ledger", metavar="FILE", help="JSON Lines, one row per finished model, written as each "
+                       "finishes; a rerun skips what it already holds (default: OUTDIR/lnfuse-ledger.jsonl)")
+    group.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help="run the models as Ray tasks: on the "
+                       "cluster at ADDRESS ('auto', 'ray://head:10001'), or a new local instance without one")
+
+
+def is_many(args: argparse.Namespace) -> bool:
+    """A many-model run: more than one input, a folder or a glob, or one of the many-model options."""
+    if len(args.model) != 1 or any(getattr(args, name) is not None for name in ("from_list", "jobs", "ray")):
+        return True
+    only = args.model[0]
+    return os.path.isdir(only) or (not os.path.exists(only) and glob.has_magic(only))
+
+
+def check_single(args: argparse.Namespace) -> None:
+    """The many-model options that mean nothing for one model: refused rather than ignored."""
+    given = [flag for flag, name in (("--timeout", "timeout"), ("--max-memory", "max_memory"), ("--ledger", "ledger"))
+             if getattr(args, name) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} apply to a run over many models (several inputs, a folder, a glob, "
+                         "--from-list or --jobs, with -o naming a folder); drop them for one model")
+
+
+def parse_size(text: str) -> int:
+    """``4G``, ``1500M``, ``512MiB``, or a number of bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size; write e.g. 4G, 1500M or 512MiB")
+    scale = 1024 ** " kmgt".index(match.group(2).lower() or " ")
+    return int(float(match.group(1)) * scale)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of workers; give 1 or more")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds; give a positive number")
+    return value
+

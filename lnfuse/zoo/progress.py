@@ -1,0 +1,65 @@
+"""Progress across the models: a bar rewritten in place on a terminal (done, failed, running, ETA), one plain
+line per finished model otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from lnfuse.zoo.job import Job
+
+
+class Progress:
+    def __init__(self, total: int, *, quiet: bool = False, stream: TextIO | None = None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.total, self.quiet = total, quiet
+        self.bar = not quiet and self.stream.isatty()
+        self.done = self.failed = self.running = self.total_resumed = 0
+        self.start = time.monotonic()
+
+    def started(self, job: Job) -> None:
+        self.running += 1
+        self._draw(job.relative)
+
+    def resumed(self, count: int) -> None:
+        """Models a previous run finished: counted as done, not drawn one by one."""
+        self.done += count
+        self.total_resumed = count
+
+    def finished(self, row: dict) -> None:
+        self.running -= 1
+        self.done += 1
+        self.failed += row["exit"] >= 2
+        if self.quiet:
+            return
+        if self.bar:
+            self._draw(row["model"])
+            return
+        count = f"[{self.done:>{len(str(self.total))}}/{self.total}]"
+        how = f"{row['seconds']:.2f} s"
+        detail = ", ".join(f"{op} {n}" for op, n in row["fused"].items()) if row["exit"] < 2 else row["reason"]
+        print(f"{count} {row['status']:<15} {how:>15}  {row['model']}" + (f"  ({detail})" if detail else ""),
+              file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+    def _draw(self, label: str) -> None:
+        if not self.bar:
+            return
+        elapsed = time.monotonic() - self.start
+        ran = self.done - self.total_resumed
+        eta = "--:--" if not ran else _clock(elapsed / ran * (self.total - self.done))
+        filled = round(24 * self.done / max(self.total, 1))
+        self.stream.write(f"\r\033[K[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} done, "
+                          f"{self.failed} failed, {self.running} running, ETA {eta}  {label[-40:]}")
+        self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02}:{seconds:02}" if hours else f"{minutes}:{seconds:02}"

@@ -1,0 +1,262 @@
+"""Many models in one run, as a user runs it: the real CLI, real worker processes, real ONNX Runtime (and a real
+local Ray instance when Ray is installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zoomodels import QUICK, copy_samples, external_model, hostile_folder, memory_hog, slow_model
+
+
+def lnfuse(*args: str, cwd: Path | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lnfuse.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def ledger(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "lnfuse-ledger.jsonl").read_text().splitlines()]
+
+
+def rows_by_model(folder: Path) -> dict[str, dict]:
+    return {row["model"]: row for row in ledger(folder)}
+
+
+def _table(stdout: str) -> str:
+    """The closing table without what differs from run to run: wall time and seconds."""
+    lines = [line for line in stdout.splitlines() if not line.startswith(("this run:", "seconds:", "wrote "))]
+    return re.sub(r"\s\d+\.\d\d\s", " ", "\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """zoo/a/ (two samples), zoo/b/c/ (two samples), zoo/ext/ (external data), loose/ (two samples)."""
+    root = tmp_path_factory.mktemp("zoo")
+    copy_samples(root / "zoo" / "a", QUICK[:2])
+    copy_samples(root / "zoo" / "b" / "c", QUICK[2:4])
+    external_model(root / "zoo" / "ext")
+    copy_samples(root / "loose", QUICK[4:6])
+    return root
+
+
+def test_folders_files_globs_and_a_list_mirror_the_input_tree(tree: Path, tmp_path: Path):
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"# one a line\n{tree / 'loose' / QUICK[5]}\n\n")
+    out = tmp_path / "out"
+    proc = lnfuse(str(tree / "zoo"), str(tree / "loose" / QUICK[4]), str(tree / "zoo" / "b" / "*" / "*.onnx"),
+                  "--from-list", str(listed), "-o", str(out), "--jobs", "2", "--report", str(tmp_path / "reports"))
+    assert proc.returncode == 0, proc.stderr
+    expected = {f"zoo/a/{QUICK[0]}", f"zoo/a/{QUICK[1]}", f"zoo/b/c/{QUICK[2]}", f"zoo/b/c/{QUICK[3]}",
+                "zoo/ext/ext.onnx", f"loose/{QUICK[4]}", f"loose/{QUICK[5]}"}
+    rows = rows_by_model(out)
+    assert set(rows) == expected, "each model once (the glob's models are the folder's too)"
+    assert {r["status"] for r in rows.values()} == {"fused"} and all(r["exit"] == 0 for r in rows.values())
+    for relative in expected:
+        assert (out / relative).is_file()
+    assert (out / "zoo" / "ext" / "ext.data").read_bytes() == (tree / "zoo" / "ext" / "ext.data").read_bytes(), \
+        "external data beside its output"
+    assert json.loads((tmp_path / "reports" / "zoo" / "ext" / "ext.onnx.json").read_text())["fused_counts"] == \
+        {"LayerNormalization": 2}, "--report names a folder of per-model reports"
+    assert "models: 7  fused: 7" in proc.stdout and "LayerNormalization" in proc.stdout
+    assert re.search(r"^\[ *\d+/7\] fused", proc.stderr, re.M), "plain progress lines when not a terminal"
+
+
+def test_outputs_are_byte_identical_to_single_model_runs(tree: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    proc = lnfuse(str(tree / "zoo"), "-o", str(out), "--target", "onnx", "--upgrade-opset", "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr
+    for relative in (f"zoo/a/{QUICK[0]}", "zoo/ext/ext.onnx"):
+        model = tree / relative
+        single = tmp_path / "single" / relative
+        single.parent.mkdir(parents=True)
+        assert lnfuse(str(model), "-o", str(single), "--target", "onnx", "--upgrade-opset", "-q").returncode == 0
+        assert (out / relative.removeprefix("zoo/")).read_bytes() == single.read_bytes(), relative
+    assert (out / "ext" / "ext.data").read_bytes() == (tmp_path / "single" / "zoo" / "ext" / "ext.data").read_bytes()
+
+
+def test_a_hostile_folder_fails_alone_with_its_reasons(tree: Path, tmp_path: Path):
+    models = tmp_path / "models"
+    copy_samples(models / "good", QUICK[:2])
+    hostile_folder(models / "hostile", tmp_path / "outside")
+    out = tmp_path / "out"
+    proc = lnfuse(str(models), "-o", str(out), "--jobs", "2")
+    assert proc.returncode == 2, proc.stderr
+    rows = rows_by_model(out)
+    assert all(rows[f"good/{name}"]["status"] == "fused" for name in QUICK[:2])
+    assert "outside the model's folder" in rows["hostile/linked.onnx"]["reason"]
+    assert "outside the model's folder" in rows["hostile/absolute.onnx"]["reason"]
+    assert "not a readable ONNX model" in rows["hostile/garbage.onnx"]["reason"]
+    assert {rows[f"hostile/{n}"]["status"] for n in ("linked.onnx", "absolute.onnx", "garbage.onnx")} == \
+        {"bad input"}
+    assert not (out / "hostile").exists(), "nothing written for a refused model"
+    for name in ("linked.onnx", "absolute.onnx", "garbage.onnx"):
+        assert f"hostile/{name}" in proc.stdout, "the table names each failed model"
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_a_model_past_its_timeout_is_stopped_alone(tmp_path: Path):
+    models = tmp_path / "models"
+    slow_model(models / "slow.onnx")
+    copy_samples(models, QUICK[:3])
+    out = tmp_path / "out"
+    start = time.monotonic()
+    proc = lnfuse(str(models), "-o", str(out), "--jobs", "2", "--timeout", "8")
+    assert time.monotonic() - start < 25, "the slow model (about 30 s) was stopped"
+    assert proc.returncode == 2, proc.stderr
+    rows = rows_by_model(out)
+    assert rows["slow.onnx"]["status"] == "timeout" and "--timeout 8 s" in rows["slow.onnx"]["reason"]
+    assert rows["slow.onnx"]["sha256"], "its identity was sent before it was stopped"
+    assert all(rows[name]["status"] == "fused" for name in QUICK[:3])
+    assert not (out / "slow.onnx").exists()
+
+
+def test_a_model_past_its_memory_limit_fails_alone(tmp_path: Path):
+    models = tmp_path / "models"
+    memory_hog(models / "hog.onnx")
+    copy_samples(models, QUICK[:3])
+    out = tmp_path / "out"
+    proc = lnfuse(str(models), "-o", str(out), "--jobs", "2", "--max-memory", "1G")
+    assert proc.returncode == 2, proc.stderr
+    rows = rows_by_model(out)
+    assert rows["hog.onnx"]["status"] == "over memory", rows["hog.onnx"]
+    assert "memory" in rows["hog.onnx"]["reason"]
+    assert all(rows[name]["status"] == "fused" for name in QUICK[:3])
+    assert not (out / "hog.onnx").exists(), "an output that depends on the limit is not written"
+
+
+def test_exit_code_is_the_worst_models(tmp_path: Path):
+    from normgraphs import Spec, build
+    import onnx
+
+    models = tmp_path / "models"
+    copy_samples(models, QUICK[:1])
+    onnx.save(build(Spec(mutation="exponent3")), models / "left.onnx")  # a candidate lnfuse must leave
+    proc = lnfuse(str(models), "-o", str(tmp_path / "one"), "--jobs", "1")
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"^1 +candidates left .* left\.onnx", proc.stdout, re.M)
+    (models / "bad.onnx").write_bytes(b"not onnx")
+    proc = lnfuse(str(models), "-o", str(tmp_path / "two"), "--jobs", "1", "--json")
+    assert proc.returncode == 2
+    report = json.loads(proc.stdout)
+    assert report["exit"] == 2 and {m["model"]: m["exit"] for m in report["models"]} == \
+        {QUICK[0]: 0, "left.onnx": 1, "bad.onnx": 2}
+
+
+def test_an_output_folder_inside_the_inputs_is_not_an_input(tmp_path: Path):
+    models = tmp_path / "models"
+    copy_samples(models, QUICK[:2])
+    for _ in range(2):
+        proc = lnfuse(str(models), "-o", str(models / "fused"), "--jobs", "1")
+        assert proc.returncode == 0, proc.stderr
+    assert sorted(r["model"] for r in ledger(models / "fused")) == sorted(QUICK[:2]), "its outputs never fused"
+    assert "2 model(s) taken from the ledger" in proc.stdout
+
+
+def test_usage_errors_are_one_line(tree: Path, tmp_path: Path):
+    file = tmp_path / "file"
+    file.write_text("")
+    for args, said in (([str(tree / "zoo"), "-o", str(file)], "names the output folder"),
+                       ([str(tmp_path / "nothing*.onnx"), "-o", str(tmp_path / "o")], "no file matches"),
+                       ([str(tree / "loose" / QUICK[4]), "-o", str(tmp_path / "m.onnx"), "--timeout", "5"],
+                        "apply to a run over many models")):
+        proc = lnfuse(*args)
+        assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def test_a_killed_run_resumes_with_only_the_rest(tmp_path: Path):
+    models = tmp_path / "models"
+    for copy in range(3):
+        copy_samples(models / f"copy{copy}", QUICK[:4])
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-m", "lnfuse.cli", str(models), "-o", str(out), "--jobs", "1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    book = out / "lnfuse-ledger.jsonl"
+    deadline = time.monotonic() + 300
+    while not (book.exists() and book.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGKILL)  # the run alone: its workers must go with it
+    run.wait()
+    first = ledger(out)
+    assert 2 <= len(first) < 12, "killed halfway"
+    proc = lnfuse(str(models), "-o", str(out), "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr
+    rows = ledger(out)
+    assert rows[:len(first)] == first, "finished rows are kept as they were"
+    assert sorted(r["model"] for r in rows) == sorted({r["model"] for r in rows}), "no model ran twice"
+    assert len(rows) == 12 and f"{len(first)} of 12 model(s) already finished" in proc.stderr
+    fresh = lnfuse(str(models), "-o", str(tmp_path / "fresh"), "--jobs", "2")
+    assert _table(proc.stdout) == _table(fresh.stdout), "the same final table as a run never stopped"
+    again = lnfuse(str(models), "-o", str(out), "--jobs", "2")
+    assert len(ledger(out)) == 12 and "12 model(s) taken from the ledger" in again.stdout
+
+
+def test_ctrl_c_keeps_what_finished(tmp_path: Path):
+    models = tmp_path / "models"
+    for copy in range(2):
+        copy_samples(models / f"copy{copy}", QUICK[:4])
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-m", "lnfuse.cli", str(models), "-o", str(out), "--jobs", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    book = out / "lnfuse-ledger.jsonl"
+    deadline = time.monotonic() + 300
+    while not (book.exists() and book.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stderr
+    assert "rerun the same command" in stderr.splitlines()[-1] and "Traceback" not in stderr, stderr
+    kept = len(ledger(out))
+    assert 1 <= kept < 8 and all((out / row["model"]).is_file() for row in ledger(out))
+
+
+def test_a_changed_model_or_option_is_done_again(tmp_path: Path):
+    models = tmp_path / "models"
+    copy_samples(models, QUICK[:2])
+    out = tmp_path / "out"
+    assert lnfuse(str(models), "-o", str(out), "--jobs", "1").returncode == 0
+    shutil.copyfile(models / QUICK[2 - 1], models / QUICK[0])  # same name, other bytes
+    assert lnfuse(str(models), "-o", str(out), "--jobs", "1").returncode == 0
+    assert [r["model"] for r in ledger(out)][2:] == [QUICK[0]], "only the changed model ran again"
+    assert lnfuse(str(models), "-o", str(out), "--jobs", "1", "--target", "onnx", "--upgrade-opset").returncode == 0
+    assert len(ledger(out)) == 5, "other options: both again"
+
+
+def test_progress_bar_on_a_terminal(tmp_path: Path):
+    import pty
+    models = tmp_path / "models"
+    copy_samples(models, QUICK[:2])
+    terminal, stderr = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "lnfuse.cli", str(models), "-o", str(tmp_path / "out")],
+                              stdout=subprocess.PIPE, stderr=stderr, timeout=300)
+        os.set_blocking(terminal, False)
+        drawn = os.read(terminal, 1 << 16).decode()
+    finally:
+        os.close(stderr)
+        os.close(terminal)
+    assert proc.returncode == 0
+    assert "2/2 done, 0 failed" in drawn and "running" in drawn and "ETA" in drawn
+    assert "[1/2] fused" not in drawn, "a bar, not lines"
+
+
+def test_ray_runs_the_same_jobs(tree: Path, tmp_path: Path):
+    pytest.importorskip("ray")
+    models = tmp_path / "models"
+    copy_samples(models, QUICK[:3])
+    (models / "bad.onnx").write_bytes(b"not onnx")
+    local = lnfuse(str(models), "-o", str(tmp_path / "local"), "--jobs", "2")
+    ray = lnfuse(str(models), "-o", str(tmp_path / "ray"), "--ray", "--jobs", "2", timeout=600)
+    assert ray.returncode == local.returncode == 2, ray.stderr
+    assert _table(ray.stdout) == _table(local.stdout)
+    for name in QUICK[:3]:
+        assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+    assert rows_by_model(tmp_path / "ray")["bad.onnx"]["status"] == "bad input"
