@@ -38,7 +38,7 @@ import onnx
 import onnxruntime as ort
 
 # Run as a script, so this folder is on sys.path.
-from make_models import DEFAULT_OUT, DETECTOR_RESIZES, detector_model_name, ensure_detectors
+from make_models import DEFAULT_OUT, ensure_detectors
 from process import ChildRun, command, compile_lnfuse, competition_note, cpu_snapshot, run_child
 
 REPO = Path(__file__).resolve().parent.parent

@@ -35,16 +35,6 @@ def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     return inferred, error
 
 
-def infer_shapes_deferred(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None, PendingShapes | None]:
-    """``infer_shapes`` without ONNX Runtime's symbolic inference: onnx's own (C++, exact, milliseconds) only. Where
-    that leaves a dim unknown, the third result holds what the symbolic inference needs to run later
-    (``PendingShapes.resolve``), once it is known which values candidates need; None when onnx's was complete.
-    ``proto`` gives up its value_info, and is kept (without it) by the pending inference."""
-    claims = _take_claims(proto.graph)
-    inferred, error, complete = _infer_with_claims(proto, claims, None)
-    return inferred, error, None if complete else PendingShapes(proto, claims)
-
-
 def _infer_with_claims(proto: onnx.ModelProto, claims: _Claims, symbolic: _Symbolic | None
                        ) -> tuple[onnx.ModelProto, str | None, bool]:
     """Inference (``_infer``) with the claims put back where it said nothing; and whether onnx's was complete."""
