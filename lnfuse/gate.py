@@ -64,9 +64,11 @@ class Gate:
                   lnfuse_made: Callable[[onnx.TensorProto], bool] | None = None) -> None:
         """Admit every external tensor of ``proto`` and copy inline all but the weights (``every_tensor``), so that
         no library lnfuse hands the model to reads a file itself. ``lnfuse_made`` tells the placeholders lnfuse put
-        in for weights left in the model file (the file the user named, read by ``weights``)."""
+        in for weights left in the model file (the file the user named, read by ``weights``): only a weight's slot
+        can hold one, so a tensor elsewhere that looks like one is external data like any other."""
         for tensor, weight in every_tensor(proto):
-            if tensor.data_location != onnx.TensorProto.EXTERNAL or (lnfuse_made is not None and lnfuse_made(tensor)):
+            if tensor.data_location != onnx.TensorProto.EXTERNAL or \
+                    (weight and lnfuse_made is not None and lnfuse_made(tensor)):
                 continue
             offset, length = self.admit(tensor)
             if not weight:
@@ -288,15 +290,28 @@ def weight_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
 
 def every_tensor(proto: onnx.ModelProto) -> Iterator[tuple[onnx.TensorProto, bool]]:
     """Every TensorProto of a model: initializers, sparse values and indices, and attribute tensors (``t``,
-    ``tensors``, ``sparse_tensor``, ``sparse_tensors``), in the main graph, every body at any depth and every
-    model-local function; each with whether it is a weight, which may stay on disk: an initializer of the main
-    graph (lnfuse's copy for shape inference holds the small ones inline, ``Gate.inline``), or the value of a
-    main-graph Constant node of more than ``WEIGHT_ELEMENTS`` elements (larger ones become inputs there)."""
+    ``tensors``, ``sparse_tensor``, ``sparse_tensors``) of nodes and of functions' attribute defaults, in the main
+    graph, every body at any depth and every model-local function; each with whether it is a weight, which may
+    stay on disk: an initializer of the main graph (lnfuse's copy for shape inference holds the small ones inline,
+    ``Gate.inline``), or the value of a main-graph Constant node of more than ``WEIGHT_ELEMENTS`` elements (larger
+    ones become inputs there). (A model's training_info is not read: lnfuse drops it.)"""
     main = proto.graph
     yield from ((t, True) for t in main.initializer)
     graphs: list[onnx.GraphProto] = [main]
+    attributes: list[onnx.AttributeProto] = [a for f in proto.functions for a in f.attribute_proto]
     node_lists = [(f.node, False) for f in proto.functions]
-    while graphs or node_lists:
+    while graphs or node_lists or attributes:
+        if attributes:
+            attr = attributes.pop()
+            if attr.HasField("t"):
+                yield attr.t, False
+            yield from ((t, False) for t in attr.tensors)
+            for sparse in ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else []) + \
+                    list(attr.sparse_tensors):
+                yield from ((sparse.values, False), (sparse.indices, False))
+            graphs.extend([attr.g] if attr.HasField("g") else [])
+            graphs.extend(attr.graphs)
+            continue
         if graphs:
             graph = graphs.pop()
             if graph is not main:
@@ -309,18 +324,12 @@ def every_tensor(proto: onnx.ModelProto) -> Iterator[tuple[onnx.TensorProto, boo
         for node in nodes:
             if not node.attribute:  # most nodes have none: a million-node graph is walked in well under a second
                 continue
-            value = weight_value(node) if in_main else None
+            constant = in_main and weight_value(node) is not None
             for attr in node.attribute:
-                if attr.HasField("t"):
-                    yield attr.t, value is not None and attr.name == "value" and \
-                        math.prod(attr.t.dims) > WEIGHT_ELEMENTS
-                yield from ((t, False) for t in attr.tensors)
-                for sparse in ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else []) + \
-                        list(attr.sparse_tensors):
-                    yield from ((sparse.values, False), (sparse.indices, False))
-                if attr.HasField("g"):
-                    graphs.append(attr.g)
-                graphs.extend(attr.graphs)
+                if constant and attr.name == "value":
+                    yield attr.t, math.prod(attr.t.dims) > WEIGHT_ELEMENTS
+                else:
+                    attributes.append(attr)
 
 
 def _name(tensor: onnx.TensorProto) -> str:

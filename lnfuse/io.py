@@ -237,13 +237,32 @@ def _skeleton(proto: onnx.ModelProto, gate: Gate, constants: dict[int, onnx.Tens
 
 
 def _one_base_dir(model: ir.Model) -> Path | None:
-    """The folder an ``ir.Model``'s external tensors are read from (the trust boundary needs one model folder)."""
-    folders = {Path(v.const_value.base_dir) for g in _all_graphs(model) if not isinstance(g, ir.Function)
-               for v in g.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)}
+    """The folder an ``ir.Model``'s external tensors are read from (the trust boundary needs one model folder):
+    every external tensor's, initializers and attribute tensors alike, in every graph and function."""
+    folders = {Path(tensor.base_dir) for tensor in _ir_tensors(model) if isinstance(tensor, ir.ExternalTensor)}
     if len(folders) > 1:
         raise InputError(f"model: external tensors are read from {len(folders)} folders "
                          f"({', '.join(sorted(map(repr, map(str, folders))))}); save the model to one folder first")
     return next(iter(folders), None)
+
+
+def _ir_tensors(model: ir.Model):
+    """The tensors of an ``ir.Model``: initializers, and the values of tensor attributes of every node (functions'
+    attribute defaults included)."""
+    attributes = []
+    for graph in _all_graphs(model):
+        if not isinstance(graph, ir.Function):
+            yield from (v.const_value for v in graph.initializers.values())
+        else:
+            attributes.extend(graph.attributes.values())
+        for node in graph:
+            attributes.extend(node.attributes.values())
+    for attribute in attributes:
+        if isinstance(attribute, ir.Attr) and not attribute.is_ref():
+            if attribute.type == ir.AttributeType.TENSOR:
+                yield attribute.value
+            elif attribute.type == ir.AttributeType.TENSORS:
+                yield from attribute.value
 
 
 def _value_info_names(graph: onnx.GraphProto, names: set[str]) -> set[str]:
@@ -377,22 +396,36 @@ INPUT_FILES = "lnfuse.input_files"
 
 
 #: a sparse tensor is stored dense in memory and in the output: refused past this size, checked before allocating
-#: (a 320-byte sparse initializer can declare a 37 GiB dense shape). 256 MiB is far above any sparse constant a
-#: normalization touches and matches the memory lnfuse allows itself for verification inputs.
-MAX_DENSE_SPARSE_BYTES = 256 << 20
+#: (a 320-byte sparse initializer can declare a 37 GiB dense shape), for all of a model's sparse tensors together.
+#: 64 MiB is far above any sparse constant a normalization touches; making one dense takes about three times its
+#: size at the peak (the array, its TensorProto, the serialized model).
+MAX_DENSE_SPARSE_BYTES = 64 << 20
 
 
 def _densify_sparse(proto: onnx.ModelProto, where: str) -> None:
-    """Sparse constants and initializers as dense tensors of the same values (onnx_ir reads only dense ones)."""
-    for node in _every_node(proto):
-        if node.op_type != "Constant":
-            continue
-        for attr in node.attribute:
-            if attr.name == "sparse_value":
-                dense = onnx.helper.make_attribute("value", _dense(attr.sparse_tensor, where))
-                attr.CopyFrom(dense)
+    """Sparse constants and initializers as dense tensors of the same values (onnx_ir reads only dense ones). The
+    budget holds for all of them together, checked before the first is made dense: six sparse tensors of a few
+    bytes, each just under it, took 3 GB."""
+    constants = [attr for node in _every_node(proto) if node.op_type == "Constant"
+                 for attr in node.attribute if attr.name == "sparse_value"]
+    total = 0
+    for sparse in [attr.sparse_tensor for attr in constants] + list(proto.graph.sparse_initializer):
+        said = f"{where}: sparse tensor {sparse.values.name!r}"
+        total += trust.element_count(sparse.dims, said) * _itemsize(sparse.values.data_type, said)
+        if total > MAX_DENSE_SPARSE_BYTES:
+            raise InputError(f"{said}: the sparse tensors' dense shapes need {total:.0f} bytes in all, more than "
+                             f"lnfuse allows ({MAX_DENSE_SPARSE_BYTES >> 20} MiB); store them dense or smaller")
+    for attr in constants:
+        attr.CopyFrom(onnx.helper.make_attribute("value", _dense(attr.sparse_tensor, where)))
     proto.graph.initializer.extend(_dense(sparse, where) for sparse in proto.graph.sparse_initializer)
     proto.graph.ClearField("sparse_initializer")
+
+
+def _itemsize(data_type: int, said: str) -> float:
+    try:
+        return ir.DataType(data_type).itemsize
+    except ValueError:
+        raise InputError(f"{said}: unknown data type {data_type}; re-export the model") from None
 
 
 def _dense(sparse: onnx.SparseTensorProto, where: str) -> onnx.TensorProto:
@@ -400,10 +433,6 @@ def _dense(sparse: onnx.SparseTensorProto, where: str) -> onnx.TensorProto:
     dims = [int(d) for d in sparse.dims]
     elements = trust.element_count(dims, said)
     try:
-        itemsize = ir.DataType(sparse.values.data_type).itemsize
-        if elements * itemsize > MAX_DENSE_SPARSE_BYTES:
-            raise InputError(f"{said}: its dense shape {dims} needs {elements * itemsize:.0f} bytes, more than lnfuse "
-                             f"allows ({MAX_DENSE_SPARSE_BYTES >> 20} MiB); store it dense or smaller")
         values = onnx.numpy_helper.to_array(sparse.values)
         indices = onnx.numpy_helper.to_array(sparse.indices).astype(np.int64)
     except (ValueError, TypeError, KeyError) as error:

@@ -73,7 +73,8 @@ class _Walk:
     exact: set[str] = field(default_factory=set)  # names whose array holds the real numbers, not a stand-in
     total: int = 0
     shapes: dict[str, onnx.TypeProto] | None = None  # onnx's inference without data propagation, made on demand
-    #: the most one node may make (None: the budget for everything the libraries fold, summed over the graph)
+    #: for a whole-model run, the most all nodes together may make beyond the data they read (None: the budget
+    #: for everything the libraries fold, summed over the graph)
     per_node: int | None = None
 
 
@@ -88,8 +89,9 @@ def hide_oversized(proto: onnx.ModelProto) -> Hidden:
 
 
 def first_oversized(proto: onnx.ModelProto, per_node: int) -> str | None:
-    """The first node of the main graph that would compute, from build-time values, more than ``per_node``
-    elements, described for a message; None when there is none. ``proto`` is not changed."""
+    """The node of the main graph at which what the graph computes from build-time values, beyond the data it
+    reads, passes ``per_node`` elements in all, described for a message; None when it never does. ``proto`` is
+    not changed."""
     _, over = _walk(proto, per_node)
     if not over:
         return None
@@ -177,13 +179,21 @@ def _visit(walk: _Walk, node: onnx.NodeProto, proto: onnx.ModelProto) -> bool:
         return True  # computed from run-time data, or not an op the libraries fold
     args = [walk.known[name] if name else None for name in node.input]
     count = _count(op, node, args, all(name in walk.exact for name in inputs))
-    if walk.per_node is not None and count is None:
+    if walk.per_node is not None:
         # a whole model is about to run: what cannot be told (a Range to a length computed by an op not folded
         # here, as Whisper's decoder has) runs as it would in the user's application
-        return True
-    if count is None or count > (walk.per_node if walk.per_node is not None else MAX_ELEMENTS - walk.total):
+        if count is None:
+            return True
+        # only what a node makes beyond the data it reads counts: a Cast or a Concat of the weights the file
+        # holds is as large as the file, while a few bytes of ConstantOfShape or Expand are not
+        held = sum(elements(walk.known[name].shape) for name in set(inputs))
+        walk.total += max(0, count - held)
+        if walk.total > walk.per_node:
+            return False
+    elif count is None or count > MAX_ELEMENTS - walk.total:
         return False
-    walk.total += count
+    else:
+        walk.total += count
     _fold(walk, node, args, count, all(name in walk.exact for name in inputs))
     return True
 

@@ -22,8 +22,9 @@ _ID_ROWS = 64
 _SAME_SIZES = (4, 1)
 
 
-#: the most elements one node of a model run whole (``--verify model``) may compute from constants: 2^27 (512 MiB
-#: of float32), a whole-model run's own budget, beside ``budget.MAX_ELEMENTS`` for what lnfuse folds itself
+#: the most elements a model run whole (``--verify model``) may compute from constants beyond the data it reads,
+#: all nodes together: 2^27 (512 MiB of float32), a whole-model run's own budget, beside ``budget.MAX_ELEMENTS``
+#: for what lnfuse folds itself
 RUN_ELEMENTS = 1 << 27
 
 
@@ -243,13 +244,13 @@ def compare_models(original: onnx.ModelProto, fused: onnx.ModelProto, inputs: di
 
 def _within_budget(model: onnx.ModelProto, option: str) -> None:
     """Running the model makes ONNX Runtime compute every value, also those a few bytes describe as gigabytes
-    (``ConstantOfShape([2**31])``): a model where one node would make more than ``RUN_ELEMENTS`` from constants is
-    not run. Real models do compute large constants (a causal mask of 2048 x 2048, fp16 weights cast to fp32):
-    the limit is per node and far above those, but below what a few bytes could otherwise make ORT allocate."""
+    (``ConstantOfShape([2**31])``): a model whose nodes would make more than ``RUN_ELEMENTS`` in all from
+    constants, beyond the data they read, is not run. Real models do compute large constants (a causal mask of
+    2048 x 2048); fp16 weights cast to fp32 are as large as the weights the file holds and do not count."""
     node = first_oversized(model, RUN_ELEMENTS)
     if node is not None:
-        raise InputError(f"{option} would run the model, and its {node} computes from constants more than "
-                         f"{RUN_ELEMENTS:,} elements; run without {option}")
+        raise InputError(f"{option} would run the model, and its {node} brings what it computes from constants past "
+                         f"{RUN_ELEMENTS:,} elements beyond the data it holds; run without {option}")
 
 
 def _check_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:

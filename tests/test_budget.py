@@ -215,6 +215,25 @@ def test_a_real_sized_constant_mask_still_runs_whole(tmp_path, capsys):
     assert "LayerNormalization" in {n.op_type for n in onnx.load(out).graph.node}
 
 
+def test_a_whole_model_run_counts_every_node_it_would_grow(tmp_path, capsys):
+    """Four Expands each just under the whole-model limit took 2.3 GB and ended in an allocation failure reported
+    as a difference: what all nodes make beyond the data they read is summed."""
+    from lnfuse.whole_model import RUN_ELEMENTS
+
+    model = _layer_norm([_const("eps0", np.array(1e-5, np.float32))], "eps0")
+    side = int((RUN_ELEMENTS - 1) ** 0.5)
+    for k in range(4):
+        model.graph.node.extend([_const(f"one{k}", np.array([float(k)], np.float32)),
+                                 _const(f"shape{k}", np.array([side, side], np.int64)),
+                                 oh.make_node("Expand", [f"one{k}", f"shape{k}"], [f"big{k}"])])
+        model.graph.output.append(oh.make_tensor_value_info(f"big{k}", TensorProto.FLOAT, [side, side]))
+    path, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    onnx.save(model, path)
+    assert main([str(path), "-o", str(out), "--verify", "model"]) == 2
+    assert "beyond the data it holds" in capsys.readouterr().err
+    assert main([str(path), "-o", str(out), "--no-verify", "-q"]) == 0
+
+
 def test_inference_still_sees_shapes_below_the_budget():
     """What the libraries are shown is the model itself when nothing passes the budget: an Expand to a small
     constant shape, flattened by a Reshape, keeps its static shapes."""

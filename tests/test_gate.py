@@ -174,3 +174,128 @@ def test_outside_the_main_graph_nothing_stays_external(tmp_path: Path):
     result = lnfuse.fuse(path, verify_model=True)
     assert result.report.fused_counts() == {"LayerNormalization": 1}
     assert result.report.model_check["ok"]
+
+
+# -- the red team's holes (issue 19's review), each a door closed at its mechanism ------------------------------------
+
+def _run_from(cwd: Path, *argv: str) -> tuple[int, str]:
+    import contextlib
+    import io as text_io
+
+    from lnfuse.cli import main
+
+    here, err = os.getcwd(), text_io.StringIO()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(text_io.StringIO()):
+            code = main(list(argv))
+    finally:
+        os.chdir(here)
+    return code, err.getvalue()
+
+
+def _externalize(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    tensor.ClearField("raw_data")
+    tensor.ClearField("float_data")
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def test_a_tensor_forged_like_lnfuses_placeholder_is_external_data_like_any_other(tmp_path: Path):
+    """A sparse tensor's values naming the model file at the offset, length, type and shape of one of its large
+    inline weights looked like lnfuse's own placeholder, skipped the gate, and were read from the working
+    directory's file of that name. Only a weight's slot can hold a placeholder."""
+    for name in ("model", "out", "cwd"):
+        (tmp_path / name).mkdir()
+    hidden = 2048
+    model = build(Spec(hidden=hidden))
+    gamma = next(t for t in model.graph.initializer if t.name.startswith("gamma"))
+    model.graph.initializer.remove(gamma)
+    weight = np.arange(hidden, dtype=np.float32) * 1e-3 + 1
+    model.graph.initializer.append(onnx.numpy_helper.from_array(weight, "W"))
+    values = onnx.helper.make_tensor(gamma.name, onnx.TensorProto.FLOAT, [hidden], np.zeros(hidden, np.float32))
+    _externalize(values, "model.onnx", 0, hidden * 4)
+    indices = onnx.numpy_helper.from_array(np.arange(hidden, dtype=np.int64), "idx")
+    model.graph.sparse_initializer.append(onnx.helper.make_sparse_tensor(values, indices, [hidden]))
+    for _ in range(3):  # the offset's digits change the file's layout: settle where the weight lies
+        at = model.SerializeToString().find(weight.tobytes())
+        next(e for e in model.graph.sparse_initializer[0].values.external_data if e.key == "offset").value = str(at)
+    path = tmp_path / "model" / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    (tmp_path / "cwd" / "model.onnx").write_bytes(SECRET * 400)
+    out = tmp_path / "out" / "o.onnx"
+    code, err = _run_from(tmp_path / "cwd", str(path), "-o", str(out))
+    assert code in (0, 2), err
+    if code == 0:
+        assert SECRET[:16] not in out.read_bytes()
+        fused = onnx.load(out)
+        gamma_now = {t.name: onnx.numpy_helper.to_array(t) for t in fused.graph.initializer}
+        assert any(np.array_equal(v, weight) for v in gamma_now.values()), "gamma is the model file's own bytes"
+
+
+def test_external_data_in_a_functions_attribute_default_is_admitted(tmp_path: Path):
+    """A model-local function's attribute default (FunctionProto.attribute_proto) holding external data was never
+    admitted: ONNX Runtime read '.env' from the working directory under --verify model."""
+    for name in ("model", "out", "cwd", "empty"):
+        (tmp_path / name).mkdir()
+    model = build(Spec(hidden=64))
+    default = onnx.helper.make_tensor("g", onnx.TensorProto.FLOAT, [64], np.ones(64, np.float32))
+    _externalize(default, ".env", 0, 256)
+    constant = onnx.helper.make_node("Constant", [], ["gv"])
+    constant.attribute.append(onnx.AttributeProto(name="value", ref_attr_name="g", type=onnx.AttributeProto.TENSOR))
+    function = onnx.helper.make_function("custom", "F", ["x"], ["y"],
+                                         [constant, onnx.helper.make_node("Mul", ["x", "gv"], ["y"])],
+                                         [onnx.helper.make_opsetid("", 17)], attributes=[])
+    function.attribute_proto.append(onnx.helper.make_attribute("g", default))
+    out = model.graph.output[0].name
+    model.graph.output[0].name = "final"
+    model.graph.node.append(onnx.helper.make_node("F", [out], ["final"], domain="custom"))
+    model.opset_import.append(onnx.helper.make_opsetid("custom", 1))
+    model.functions.append(function)
+    path = tmp_path / "model" / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    (tmp_path / "cwd" / ".env").write_bytes(SECRET)
+    outcomes = [_run_from(tmp_path / where, str(path), "-o", str(tmp_path / "out" / "o.onnx"), "--verify", "model")
+                for where in ("cwd", "empty")]
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == 2 and "'.env'" in outcomes[0][1] and "missing" in outcomes[0][1]
+
+
+def test_an_onnx_ir_model_is_read_from_the_folder_its_constants_name(tmp_path: Path, monkeypatch):
+    """An onnx_ir.Model whose only external tensor is a Constant's value was anchored at the working directory."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "cwd").mkdir()
+    model = build(Spec(hidden=2048))
+    gamma = next(t for t in model.graph.initializer if t.name.startswith("gamma"))
+    model.graph.initializer.remove(gamma)
+    values = np.random.default_rng(3).uniform(0.5, 1.5, 2048).astype(np.float32)
+    (tmp_path / "model" / "w.data").write_bytes(values.tobytes())
+    tensor = onnx.numpy_helper.from_array(values, gamma.name)
+    _externalize(tensor, "w.data", 0, values.nbytes)
+    model.graph.node.insert(0, onnx.helper.make_node("Constant", [], [gamma.name], value=tensor))
+    path = tmp_path / "model" / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    (tmp_path / "cwd" / "w.data").write_bytes(SECRET * 64)
+    loaded = ir.load(path)
+    monkeypatch.chdir(tmp_path / "cwd")
+    result = lnfuse.fuse(loaded)
+    norm = next(n for n in result.ir_model.graph if n.op_type == "LayerNormalization")
+    np.testing.assert_array_equal(norm.inputs[1].const_value.numpy(), values)
+
+
+def test_sparse_tensors_share_one_budget(tmp_path: Path):
+    """Six sparse initializers of a few bytes, each just under the per-tensor limit, took 3 GB: the limit is for
+    all of them together, checked before any is made dense."""
+    model = build(Spec(hidden=8))
+    side = 2048
+    for k in range(6):
+        values = onnx.numpy_helper.from_array(np.ones(1, np.float32), f"sp{k}")
+        indices = onnx.numpy_helper.from_array(np.zeros(1, np.int64), f"sp{k}_idx")
+        model.graph.sparse_initializer.append(onnx.helper.make_sparse_tensor(values, indices, [side, side, 3]))
+    path = tmp_path / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(InputError, match="in all"):
+        io.load(path)

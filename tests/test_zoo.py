@@ -161,6 +161,19 @@ def test_an_output_folder_inside_the_inputs_is_not_an_input(tmp_path: Path):
     assert "2 model(s) taken from the ledger" in proc.stdout
 
 
+def test_links_out_of_a_named_folder_are_not_inputs(tmp_path: Path):
+    """The user named the folder, not the links in it: a link to a model outside (someone's private model) or to
+    /etc/passwd is the folder's, and is not read."""
+    models, outside = tmp_path / "models", tmp_path / "outside"
+    copy_samples(models, QUICK[:1])
+    copy_samples(outside, QUICK[1:2])
+    (models / "private.onnx").symlink_to(outside / QUICK[1])
+    (models / "passwd.onnx").symlink_to("/etc/passwd")
+    proc = lnfuse(str(models), "-o", str(tmp_path / "out"), "--jobs", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(rows_by_model(tmp_path / "out")) == [QUICK[0]]
+
+
 def test_usage_errors_are_one_line(tree: Path, tmp_path: Path):
     file = tmp_path / "file"
     file.write_text("")

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from lnfuse import trust
 from lnfuse.errors import UsageError
 
 #: lnfuse's own temporary folders (``io.save``'s staging) are never inputs
@@ -69,11 +70,13 @@ def _listed(from_list: str) -> list[str]:
 
 
 def _walk(folder: Path, output: Path | None) -> list[Path]:
-    models = []
+    models, root = [], os.path.realpath(folder)
     for where, folders, files in os.walk(folder):  # followlinks=False: a link loop in a model folder ends nothing
         here = Path(where)
         folders[:] = sorted(f for f in folders if not f.endswith(_STAGING) and not _under(here / f, output))
-        models += [here / f for f in sorted(files) if f.endswith(".onnx") and (here / f).is_file()]
+        # a link found in the folder is the folder's, not the user's: followed only where it stays inside it
+        models += [here / f for f in sorted(files) if f.endswith(".onnx") and (here / f).is_file()
+                   and (not (here / f).is_symlink() or trust.inside(os.path.realpath(here / f), root))]
     return models
 
 
