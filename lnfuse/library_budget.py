@@ -34,8 +34,16 @@ _EXTRA = {
     "Max": lambda n, a: np.maximum.reduce(np.broadcast_arrays(*a)),
     "Min": lambda n, a: np.minimum.reduce(np.broadcast_arrays(*a)),
     "Abs": lambda n, a: np.abs(a[0]),
-    "Tile": lambda n, a: np.tile(a[0], a[1].tolist()),
+    "Tile": lambda n, a: _tile(a[0], a[1].tolist()),
 }
+
+
+def _tile(array: np.ndarray, repeats: list[int]) -> np.ndarray:
+    """np.tile, but an empty result is made empty: numpy repeats axis by axis, and an input with a 0 dim tiled by
+    2^40 made a 4 TiB intermediate for a result of no elements."""
+    if array.size == 0 or 0 in repeats:
+        return np.zeros([d * r for d, r in zip(array.shape, repeats)], array.dtype)
+    return np.tile(array, repeats)
 
 
 class _Attribute:

@@ -513,8 +513,10 @@ def _infer_body(model: ir.Model, function: ir.Function, inputs: list) -> None:
     probe = onnx.helper.make_model(graph, opset_imports=opsets)
     probe.ir_version = model.ir_version
     hide_oversized(probe)  # only the values' types are read back, by name: the renamed inputs need no restoring
+    # the same guards as the main graph's: a Tile of 2^28 in a body took 3.7 GB through data propagation
+    propagate = not _has_huge_input(probe) and not _long_vector(probe) and not _sizes_out_of_sight(probe)
     try:
-        inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True).graph
+        inferred = onnx.shape_inference.infer_shapes(probe, data_prop=propagate).graph
     except Exception:  # noqa: BLE001 - without types the checks refuse and say why
         return
     found = {v.name: v.type for v in list(inferred.value_info) + list(inferred.input) + list(inferred.output)}

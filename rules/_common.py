@@ -6,6 +6,7 @@ with the values it saw, so the report can say exactly why a candidate was left a
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import numpy as np
@@ -463,3 +464,13 @@ def _exact_astype(array: np.ndarray, dtype: ir.DataType) -> np.ndarray | None:
 
 def _fmt(dims) -> str:
     return "[" + ",".join(str(d) for d in dims) + "]"
+
+
+def kernel_epsilon(norm: ir.Node, default: float) -> float:
+    """A norm node's epsilon for ONNX Runtime's fused kernels, which refuse to load one that is negative (ONNX's
+    LayerNormalization accepts any): such a norm stays as it is."""
+    epsilon = float(attr_value(norm, "epsilon", default))
+    if not math.isfinite(epsilon) or epsilon < 0:
+        raise Refusal("epsilon", f"epsilon {epsilon:g} of '{norm.name}' is not a finite number >= 0, which ONNX "
+                      "Runtime's fused kernels require")
+    return epsilon

@@ -21,7 +21,7 @@ import onnx_ir as ir
 from lnfuse.constants import is_static, static_value
 from lnfuse.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
-from ._common import dtype_of, node_name, read_outside, same_dim
+from ._common import dtype_of, kernel_epsilon, node_name, read_outside, same_dim
 
 _INDEX_TYPES = (ir.DataType.INT32, ir.DataType.INT64)
 _KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
@@ -185,11 +185,11 @@ def _sum_and_norm(m: Match, norm: ir.Node) -> tuple[ir.Value, ir.Value | None, t
     (a bias would be one more term the kernel does not add), whose defaults are the contrib op's."""
     inputs = list(norm.inputs) + [None] * 5
     if norm.op_type == "LayerNormalization":
-        return m.value("add"), m.value("add"), (inputs[1], inputs[2], float(attr_value(norm, "epsilon", 1e-5)))
+        return m.value("add"), m.value("add"), (inputs[1], inputs[2], kernel_epsilon(norm, 1e-5))
     if inputs[4] is not None:
         raise Refusal("bias", f"'{node_name(norm)}' adds a bias to the embedding sum; the kernel adds none")
     total = norm.outputs[3] if len(norm.outputs) > 3 and norm.outputs[3].name else None
-    return norm.outputs[0], total, (inputs[2], inputs[3], float(attr_value(norm, "epsilon", 1e-12)))
+    return norm.outputs[0], total, (inputs[2], inputs[3], kernel_epsilon(norm, 1e-12))
 
 
 def _sum_values(read: ir.Value | None, norm: ir.Node) -> list[ir.Value]:

@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from lnfuse.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
 from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
-from ._common import dtype_of, node_name, rank_of, read_outside
+from ._common import dtype_of, kernel_epsilon, node_name, rank_of, read_outside
 
 _KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _LAYER = ("LayerNormalization",)
@@ -122,7 +122,7 @@ class SkipNorm(Rule):
         reshaped_aliases = noop_outputs(norm.inputs[0], reshape.outputs[0]) if reshape is not None else []
         flat = rank_of(s) == 4
         x, skip, before = _flattened(ctx, full_x, skip, h, node_name(norm)) if flat else (full_x, skip, [])
-        epsilon = attr_value(norm, "epsilon", 1e-5)
+        epsilon = kernel_epsilon(norm, 1e-5)
         inputs = [x, skip, gamma] + ([] if rms else [beta]) + [bias]
         while inputs and inputs[-1] is None:
             inputs.pop()

@@ -1319,9 +1319,11 @@ def test_fuzz_cases_through_the_process(seeds, tmp_path: Path):
 #: byte and field mutants those series drew before the structure-aware cases existed.
 #: (series, case, structure-aware; None: as the campaign draws it). 7/1934: a model-local function named
 #: LayerNormalization, which ORT's symbolic inference took for ONNX's op (its output typed like its first input: ORT
-#: refused the output); 0/132: a Pad of 2^31 inside a function, which onnx's data propagation expanded (24 GB)
+#: refused the output); 0/132: a Pad of 2^31 inside a function, which onnx's data propagation expanded (24 GB);
+#: 8/210: a Tile of 2^28 in a function's body, expanded the same way when the body was typed (3.7 GB); 8/18781: a
+#: Tile by 2^40 of an empty tensor, which numpy's tile grows axis by axis (a 4 TiB intermediate, exit 3)
 FOUND = ((2, 3808, False), (2, 2876, False), (3, 14181, False), (3, 12068, False), (4, 19930, False),
-         (7, 1934, None), (0, 132, None))
+         (7, 1934, None), (0, 132, None), (8, 210, None), (8, 18781, None))
 
 
 @pytest.mark.parametrize("series, case, structured", FOUND)

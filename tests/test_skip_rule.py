@@ -69,6 +69,15 @@ def test_epsilon_is_written_even_when_the_norm_used_its_default():
     assert _eps(node) == pytest.approx(1e-5), "LayerNormalization's default, not the contrib op's 1e-12"
 
 
+def test_a_negative_epsilon_stays_in_the_norm_it_was_written_in():
+    """ONNX's LayerNormalization accepts any epsilon; ONNX Runtime's SkipLayerNormalization refuses to load one
+    below 0, so such a residual is left as it is, with the reason."""
+    model = _model([("a", "b", "s")], norm_attrs={"epsilon": -1e-5})
+    result = lnfuse.fuse(model)
+    assert "SkipLayerNormalization" not in op_types(result.model)
+    assert any(u.check == "epsilon" and "-1e-05" in u.reason for u in result.report.unfused), result.report.unfused
+
+
 def test_bias_before_the_residual():
     node = _fused(_model([("a", "bias", "ab"), ("ab", "b", "s")]), "SkipLayerNormalization")
     assert node.input[4] == "bias"
