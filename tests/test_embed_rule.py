@@ -243,9 +243,7 @@ def test_verification_stops_a_rule_that_would_drop_position_ids(monkeypatch):
 def test_verification_stops_a_wrong_epsilon_on_a_large_vocabulary(monkeypatch, positions):
     """The random tables of a 9,000-row vocabulary keep the small-variance rows where a wrong epsilon shows."""
     from lnfuse.rules import embed_norm
-    real = embed_norm.attr_value
-    monkeypatch.setattr(embed_norm, "attr_value",
-                        lambda node, name, default=None: 1e-3 if name == "epsilon" else real(node, name, default))
+    monkeypatch.setattr(embed_norm, "kernel_epsilon", lambda node, default: 1e-3)
     result = lnfuse.fuse(_bert(positions=positions, vocab=9000), only=["embed_norm"])
     assert not result.report.fused and [u.check for u in result.report.unfused] == ["verify"]
 
