@@ -169,7 +169,7 @@ class Gate:
         self._inlined += length
         if self._inlined > MAX_INLINED_BYTES:
             raise InputError(f"{self.where}: tensor {_name(tensor)!r}: more than {MAX_INLINED_BYTES >> 20} MiB of "
-                             "external data outside the main graph's initializers (Constants, sparse tensors, "
+                             "external data outside the main graph's weights (small Constants, sparse tensors, "
                              "subgraphs, functions); store large weights as initializers of the main graph")
         location = next(e.value for e in tensor.external_data if e.key == "location")
         data = self.read(location, offset, length)
