@@ -123,7 +123,8 @@ def build_chain(length: int, kind: str = "chain") -> onnx.ModelProto:
         head.append(oh.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
         return name
 
-    scale = [constant("scale", np.array(1.0, np.float32))] if op_type == "Mul" else []
+    # -1: a scale the canonical form does not remove (a Mul by 1 is), and the values stay finite
+    scale = [constant("scale", np.array(-1.0, np.float32))] if op_type == "Mul" else []
     graph = oh.make_graph([], "chain", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", CHAIN_WIDTH])],
                           [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", CHAIN_WIDTH])])
 

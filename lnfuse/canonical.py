@@ -47,9 +47,9 @@ def canonicalize(graph: ir.Graph | ir.Function, fresh_name: Callable[[str], str]
     casts = sum(_bypass(host, node) for node in (list(host) if likes else of_op["Cast"]) if _is_noop_cast(node))
     if casts:
         removed.append(f"{casts} Cast(s) to the dtype their input already has")
-    ones = 0
+    ones, read = 0, {}
     for node in of_op["Mul"]:
-        source = _times_one(node)
+        source = _times_one(node, read)
         ones += source is not None and _bypass(host, node, source)
     if ones:
         removed.append(f"{ones} Mul(s) by 1")
@@ -107,14 +107,17 @@ def _is_noop_cast(node: ir.Node) -> bool:
     return to is not None and not to.is_ref() and source.type is not None and source.dtype == ir.DataType(to.value)
 
 
-def _times_one(node: ir.Node) -> ir.Value | None:
-    """x when ``node`` is Mul(x, 1) or Mul(1, x) and the product has x's shape and dtype."""
+def _times_one(node: ir.Node, read: dict[ir.Value, np.ndarray | None]) -> ir.Value | None:
+    """x when ``node`` is Mul(x, 1) or Mul(1, x) and the product has x's shape and dtype. ``read``: the constants
+    already read (a chain of a million Muls by one constant reads it once)."""
     if node.op_type != "Mul" or not _is_onnx(node) or len(node.inputs) != 2 or None in node.inputs:
         return None
     for x, one in (node.inputs, reversed(node.inputs)):
         # only a one-element constant is read: a large weight is never loaded just to see it is not 1
         single = one.shape is not None and one.shape.is_static() and all(int(d) == 1 for d in one.shape)
-        array = static_value(one) if single else None
+        if single and one not in read:
+            read[one] = static_value(one)
+        array = read.get(one) if single else None
         if array is not None and array.reshape(-1)[0] == 1 and x.shape is not None \
                 and array.ndim <= len(x.shape) and x.type is not None and x.dtype == one.dtype:
             return x
