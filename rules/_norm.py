@@ -255,10 +255,11 @@ def absorb_type_reads(region: list[ir.Node]) -> list[ir.Node]:
                 for reader, _ in out.uses():
                     if reader in inside or not reader.outputs:
                         continue
-                    if all(is_static(o) for o in reader.outputs):
-                        chain = [reader]
-                    elif reader.op_type in ("Shape", "Size") and reader.domain in ("", "ai.onnx"):
+                    if reader.op_type in ("Shape", "Size") and reader.domain in ("", "ai.onnx"):
+                        # a static shape too: the count folded from it is computed by the chain after it
                         chain = _shape_chain(reader, inside)
+                    elif all(is_static(o) for o in reader.outputs):
+                        chain = [reader]
                     else:
                         continue
                     if chain and all(user in inside or user in chain for n in chain for o in n.outputs

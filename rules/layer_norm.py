@@ -14,9 +14,9 @@ import onnx_ir as ir
 from lnfuse.constants import static_value
 from lnfuse.pattern import Either, Match, Op, Terms, Var, attr_value, maybe_cast, mono
 from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
-from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
+from ._common import (FLOATS, SUMS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
                       check_mean_scale, check_statistic_precision, epsilon, kept_dims, mean_of_square, mean_over,
-                      node_name, param_as, rank_of, read_outside, readers_outside, square, trailing_axes)
+                      node_name, param_as, rank_of, read_outside, readers_outside, reduced_axes, square, trailing_axes)
 from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
                     expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
                     stash_type, var_plus_eps)
@@ -75,12 +75,30 @@ UNFLATTENED = Op("Reshape", STANDARD, Var("x_shape"), name="unflatten")
 RMS_OF_CENTRED = Op(("RMSNormalization", "SimplifiedLayerNormalization"), D, Var("gamma"), name="rms")
 CENTRED_RMS = maybe_cast(Either(Terms(mono(1, RMS_OF_CENTRED), mono(1, Var("beta"))), RMS_OF_CENTRED),
                          cast="cast_out", name="y")
+# tf-keras's fused LayerNormalization (tf2onnx): x seen as [1, rows, H, 1], per-row statistics over axes 0, 2, 3,
+# BatchNormalization(view, ones, zeros, mean, var) (its channel axis 1 is x's rows), Reshape back, then gamma, beta.
+# BatchNormalization's epsilon is an attribute, not a term of the normal form: ``_build_batch_norm`` proves the rest.
+BN_VIEW = Op("Reshape", Var("x"), Var("bn_view_shape"), name="bn_view")
+BN_MEAN_STAT = Op("ReduceMean", BN_VIEW, name="mean", extra_inputs=True)
+BN_VMEAN = mean_over(BN_VIEW, "vmean")
+BN_VAR_STAT = mean_of_square(Terms(mono(1, BN_VIEW, scale="dsq_x"), mono(-1, BN_VMEAN, scale="dsq_mean"),
+                                   either_sign=True), "sq", "var")
+BN = Op("BatchNormalization", BN_VIEW, Var("bn_scale"), Var("bn_bias"),
+        Either(Op("Squeeze", BN_MEAN_STAT, name="bn_mean_squeeze", extra_inputs=True), BN_MEAN_STAT),
+        Terms(mono(1, Either(Op("Squeeze", BN_VAR_STAT, name="bn_var_squeeze", extra_inputs=True), BN_VAR_STAT),
+                   scale="var_scale")),
+        name="bn")
+BN_BACK = Op("Reshape", BN, Var("bn_back_shape"), name="bn_back")
+BATCH_NORM = Either(Terms(mono(1, BN_BACK, Var("gamma"), scale="scale_out"), mono(1, Var("beta"))),
+                    Terms(mono(1, BN_BACK, Var("gamma"), scale="scale_out")),
+                    Terms(mono(1, BN_BACK, scale="scale_out"), mono(1, Var("beta"))),
+                    BN_BACK, name="y")
 
 
 class LayerNorm(Rule):
     name = "layer_norm"
     anchors = frozenset({"ReduceMean", "ReduceSum", "ReduceSumSquare", "GlobalAveragePool"})
-    patterns = (UNFLATTENED, STANDARD, CENTRED_RMS)
+    patterns = (UNFLATTENED, STANDARD, CENTRED_RMS, BATCH_NORM)
     near_misses = (
         (Op("Div", Op("Sub", Var("x"), mean_over(Var("x"), "mean")),
             Op("Add", Op("Sqrt", mean_over(Var("sq"), "var")), Var("eps"))), "epsilon",
@@ -96,6 +114,8 @@ class LayerNorm(Rule):
     )
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
+        if m.node("bn") is not None:
+            return _build_batch_norm(m, ctx)
         axes = agreed_axes(m, ("mean", "vmean", "var"))
         channel = channel_axis(axes, m.node("mean"))
         k = 1 if channel is not None else trailing_axes(axes, m.node("mean"))
@@ -287,3 +307,192 @@ def _only_reshaped(values: list[ir.Value], region: list[ir.Node]) -> None:
 
 
 RULE = LayerNorm()
+
+
+# ---- tf-keras's fused path: BatchNormalization over x seen as [1, rows, H, 1] ---------------------------------
+
+_BN_AXES = [0, 2, 3]
+
+
+def _build_batch_norm(m: Match, ctx: GraphContext) -> Replacement:
+    """``Reshape(BatchNormalization(Reshape(x, [1, rows, H, 1]), 1, 0, mean, var), Shape(x))`` is LayerNorm of x over
+    its last axis with BatchNormalization's epsilon, when the statistics are the mean and population variance of each
+    row (axes 0, 2, 3 of the view), BN's scale is all ones and its bias all zeros, and BN runs in inference mode."""
+    bn, view, back = m.node("bn"), m.node("bn_view"), m.node("bn_back")
+    x = m.value("x")
+    eps = _check_bn_node(bn, ctx.opset)
+    h = _check_bn_view(m, x, view)
+    for name, want, what in (("bn_scale", 1, "scale"), ("bn_bias", 0, "bias")):
+        _check_bn_constant(m.value(name), want, what, bn)
+    _check_bn_mean(m)
+    _check_bn_variance(m, h)
+    _check_restores_shape(back, x)
+    check_statistic_precision(m, "var")
+    check_inner_casts(m, ("sq_cast",))
+    check_exponent(m, "sq", 2.0)
+    scale = check_scales(m, ())
+    return first_placement(m, lambda b: _write_batch_norm(m, ctx, b, eps, scale))
+
+
+def _write_batch_norm(m: Match, ctx: GraphContext, b: Boundary, eps: float, scale: float) -> Replacement:
+    op_type = _choose_op(ctx, b.dtype)
+    check_epsilon_fits(eps, b.dtype)
+    region = list(b.region)
+    # the Expands of BN's unit scale and zero bias go with it: a region input, verification would feed them random
+    # numbers (and nothing else needs them)
+    for name in ("bn_scale", "bn_bias"):
+        node = m.value(name).producer()
+        if node is not None and node.op_type == "Expand" and node not in region and \
+                not m.value(name).is_graph_output() and all(user in region for user, _ in m.value(name).uses()):
+            region.append(node)
+    region = absorb_type_reads(region)
+    gamma, beta = layout_params(m, ctx, b, 1, scale, None)
+    scale_in = scale_input(ctx, gamma, b.x, 1, b.dtype)
+    attrs = {"axis": -1, "epsilon": eps, "stash_type": stash_type(b.dtype).value}
+    fused = ctx.node(op_type, [b.x, scale_in] + ([beta] if beta is not None else []), attrs,
+                     hint=node_name(m.node("bn")))
+    fused.outputs[0].type, fused.outputs[0].shape = b.y.type, b.y.shape
+    return finish(op_type, "", {b.y: fused.outputs[0]}, region,
+                  {"axis": -1, "epsilon": eps, "form": "tf-keras BatchNormalization"})
+
+
+def _check_bn_node(bn: ir.Node, opset: int) -> float:
+    """Inference mode, one output read, per-channel ("spatial") statistics: BatchNormalization's epsilon. (Before
+    opset 7, ``is_test`` defaults to 0: training.)"""
+    if attr_value(bn, "training_mode", 0) != 0:
+        raise Refusal("training", f"BatchNormalization '{node_name(bn)}' runs in training mode: it computes its own "
+                      "batch statistics")
+    if attr_value(bn, "is_test", 1 if opset >= 7 else 0) != 1 or attr_value(bn, "spatial", 1) != 1:
+        raise Refusal("training", f"BatchNormalization '{node_name(bn)}' is not the per-channel inference form "
+                      "(is_test=0 or spatial=0)")
+    if len(bn.inputs) != 5:
+        raise Refusal("operands", f"BatchNormalization '{node_name(bn)}' has {len(bn.inputs)} inputs, not 5")
+    if any(out.uses() or out.is_graph_output() for out in bn.outputs[1:]):
+        raise Refusal("intermediate", f"BatchNormalization '{node_name(bn)}' has running statistics read elsewhere")
+    eps = float(attr_value(bn, "epsilon", 1e-5))
+    if eps < 0 or not np.isfinite(eps):
+        raise Refusal("epsilon", f"epsilon is {eps:g}; the fused op needs a finite epsilon >= 0")
+    return eps
+
+
+def _dims(value: ir.Value) -> list | None:
+    return None if value.shape is None else list(value.shape)
+
+
+def _check_bn_view(m: Match, x: ir.Value, view: ir.Node) -> int:
+    """The view is x as [1, rows, H, 1]: BatchNormalization's channels (axis 1) are x's rows, H is x's last axis.
+    H: the number each row's statistics are taken over."""
+    target = static_value(m.value("bn_view_shape"))
+    dims = _dims(x)
+    if target is None or target.ndim != 1 or target.size != 4:
+        raise Refusal("shape", f"Reshape '{node_name(view)}' does not view x as [1, rows, H, 1] (its target is not a "
+                      "constant of 4 dims)")
+    target = [int(d) for d in target]
+    if not dims or not isinstance(dims[-1], int) or dims[-1] <= 0:
+        raise Refusal("shape", f"the last dim of '{x.name}' is unknown, so the rows of the [1, rows, H, 1] view "
+                      "cannot be proven to be its rows")
+    h = dims[-1]
+    leading = dims[:-1]
+    rows = int(np.prod(leading)) if all(isinstance(d, int) for d in leading) else None
+    if target[0] != 1 or target[2] != h or target[3] != 1 or not (target[1] == -1 or (rows is not None and
+                                                                                    target[1] == rows)):
+        raise Refusal("axes", f"Reshape '{node_name(view)}' views '{x.name}' {dims} as {target}, not as "
+                      f"[1, rows, {h}, 1]: BatchNormalization's channels are not the rows of x")
+    return h
+
+
+def _check_bn_constant(value: ir.Value, want: float, what: str, bn: ir.Node) -> None:
+    """BatchNormalization's scale (bias) is all ones (zeros): a constant, or an Expand of one."""
+    source = value
+    producer = value.producer()
+    if static_value(value) is None and producer is not None and producer.op_type == "Expand" and \
+            producer.domain in ("", "ai.onnx"):
+        source = producer.inputs[0]
+    array = static_value(source)
+    if array is None:
+        raise Refusal(what, f"the {what} of BatchNormalization '{node_name(bn)}' ('{value.name}') is not a constant")
+    if array.size == 0 or not np.all(array == want):
+        raise Refusal(what, f"the {what} of BatchNormalization '{node_name(bn)}' is {array.reshape(-1)[:4].tolist()}, "
+                      f"not all {want}s: the norm is scaled or shifted per row")
+
+
+def _axes_of(node: ir.Node, rank: int = 4) -> list[int] | None:
+    axes = attr_value(node, "axes")
+    if axes is None and len(node.inputs) > 1 and node.inputs[1] is not None:
+        found = static_value(node.inputs[1])
+        axes = None if found is None else found.reshape(-1).tolist()
+    return None if axes is None else sorted({int(a) % rank for a in axes})
+
+
+def _check_reduction(node: ir.Node, squeeze: ir.Node | None, what: str) -> None:
+    """A per-row statistic of the view: reduced over axes 0, 2, 3, and handed to BatchNormalization as [rows]
+    (keepdims=0, or keepdims=1 and a Squeeze of the same axes)."""
+    axes = _axes_of(node)
+    if axes != _BN_AXES:
+        raise Refusal("axes", f"{node.op_type} '{node_name(node)}' ({what}) reduces axes {axes} of the "
+                      f"[1, rows, H, 1] view, not {_BN_AXES}: not a statistic of each row")
+    keepdims = attr_value(node, "keepdims", 1)
+    if squeeze is None and keepdims:
+        raise Refusal("keepdims", f"{node.op_type} '{node_name(node)}' ({what}) keeps its axes and nothing squeezes "
+                      "them")
+    if squeeze is not None and (not keepdims or _axes_of(squeeze) != _BN_AXES):
+        raise Refusal("keepdims", f"Squeeze '{node_name(squeeze)}' does not remove exactly the axes {what} reduced")
+
+
+def _check_bn_mean(m: Match) -> None:
+    """BatchNormalization's mean is the mean of each row, and the variance centres by it."""
+    _check_reduction(m.node("mean"), m.node("bn_mean_squeeze"), "the mean")
+    vmean = m.node("vmean")
+    axes = reduced_axes(m, "vmean")
+    if sorted(a % 4 for a in axes) != _BN_AXES:
+        raise Refusal("axes", f"{vmean.op_type} '{node_name(vmean)}' centres the variance by a mean over axes "
+                      f"{list(axes)} of the view, not {_BN_AXES}")
+    x_scale = float(m.fact("dsq_x", 1.0))
+    if abs(abs(x_scale) - 1) > 1e-6:
+        raise Refusal("mean", f"the squared deviation scales x by {x_scale:g}")
+    check_mean_scale(float(m.fact("dsq_mean", 1.0)) / x_scale, m, "vmean", "the squared deviation (x - mean)")
+
+
+def _check_bn_variance(m: Match, h: int) -> None:
+    """The variance is the population variance of each row: the sum of squared deviations over axes 0, 2, 3 of the
+    view divided by H (or their mean)."""
+    var = m.node("var")
+    for name in ("var_unsqueeze", "var_expand"):
+        if m.node(name) is not None:
+            raise Refusal("keepdims", f"the variance is re-broadcast by '{node_name(m.node(name))}', where "
+                          "BatchNormalization takes one value per row")
+    _check_reduction(var, m.node("bn_var_squeeze"), "the variance")
+    count = h if var.op_type in SUMS else 1
+    scale = float(m.fact("var_scale", 1.0))
+    if abs(scale * count - 1) > 1e-6:
+        raise Refusal("variance", f"{var.op_type} '{node_name(var)}' of {count} element(s) is scaled by {scale:.6g}: "
+                      f"the variance needs {1 / count:.6g}")
+
+
+def _shape_source(value: ir.Value) -> ir.Value | None:
+    """The tensor whose whole shape ``value`` is: Shape(t), seen through integer Casts (tf2onnx's int64 -> int32
+    -> int64 round trip)."""
+    for _ in range(4):
+        node = value.producer()
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return None
+        if node.op_type == "Shape":
+            if attr_value(node, "start", 0) != 0 or attr_value(node, "end") is not None:
+                return None
+            return node.inputs[0]
+        if node.op_type != "Cast" or attr_value(node, "to") not in (ir.DataType.INT32.value, ir.DataType.INT64.value):
+            return None
+        value = node.inputs[0]
+    return None
+
+
+def _check_restores_shape(back: ir.Node, x: ir.Value) -> None:
+    """The Reshape after BatchNormalization gives back x's shape: to Shape(x), or to x's static shape."""
+    target = back.inputs[1]
+    if _shape_source(target) is x:
+        return
+    wanted, dims = static_value(target), _dims(x)
+    if wanted is not None and dims is not None and all(isinstance(d, int) for d in dims) and \
+            wanted.reshape(-1).tolist() == dims:
+        return
+    raise Refusal("shape", f"Reshape '{node_name(back)}' does not restore the shape of '{x.name}'")

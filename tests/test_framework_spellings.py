@@ -369,3 +369,67 @@ def test_folded_counts_and_conditions():
     assert static_value(values[count]).tolist() == 4 * H
     assert static_value(values[positive]).tolist() is True
     assert algebra.uniform(values[positive]) == 1.0
+
+
+# ---- tf-keras's fused path: BatchNormalization over x seen as [1, rows, H, 1] ----------------------------------
+
+def _keras_bn(g: Graph, scale: float = 1.0, bias: float = 0.0, var_axes=(0, 2, 3), count=None,
+              view=(1, -1, H, 1), mean_of_squares: bool = False, channels=None) -> str:
+    """tf2onnx's spelling of tf-keras's fused LayerNormalization: the per-row statistics of the view, its
+    BatchNormalization with Expanded ones and zeros, the Reshape back to Shape(x), then gamma and beta."""
+    x = "X"
+    shape = g.op("Shape", x)
+    rows = g.op("ReduceProd", g.op("Slice", shape, g.ints([0]), g.ints([len(g.shape) - 1]), g.ints([0])), keepdims=1) \
+        if channels is None else g.ints([channels])
+    r = g.op("Reshape", x, g.ints(list(view)))
+    m = g.op("ReduceMean", r, axes=[0, 2, 3], keepdims=1)
+    d = g.op("Sub", r, m)
+    if mean_of_squares:
+        var = g.op("ReduceMean", g.op("Mul", d, d), axes=list(var_axes), keepdims=0)
+    else:
+        n = g.op("Cast", g.op("ReduceProd", g.op("Gather", g.op("Shape", r), g.ints(list(var_axes))), keepdims=0),
+                 to=g.elem) if count is None else g.const(float(count))
+        var = g.op("Div", g.op("ReduceSumSquare", d, axes=list(var_axes), keepdims=0), n)
+    ones, zeros = g.op("Expand", g.const(scale), rows), g.op("Expand", g.const(bias), rows)
+    y = g.op("BatchNormalization", r, ones, zeros, g.op("Squeeze", m, g.ints([0, 2, 3])), var, epsilon=1e-3)
+    return g.affine(g.op("Reshape", y, shape))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mean_of_squares", [False, True])
+def test_tf_keras_batch_norm_path_is_layer_norm(mean_of_squares, dtype):
+    g = Graph(dtype, opset=17)
+    _fused(g.model(_keras_bn(g, mean_of_squares=mean_of_squares)), epsilon=float(np.float32(1e-3)), axis=-1)
+
+
+def test_tf_keras_batch_norm_with_static_rows():
+    g = Graph(shape=(2, 4, H), opset=17)
+    _fused(g.model(_keras_bn(g, view=(1, 8, H, 1))), epsilon=float(np.float32(1e-3)))
+
+
+def test_tf_keras_batch_norm_scale_not_one_stays():
+    g = Graph(opset=17)
+    _left(g.model(_keras_bn(g, scale=2.0)), "scale", "not all 1s")
+
+
+def test_tf_keras_batch_norm_bias_not_zero_stays():
+    g = Graph(opset=17)
+    _left(g.model(_keras_bn(g, bias=0.5)), "bias", "not all 0s")
+
+
+def test_tf_keras_batch_norm_variance_over_other_axes_stays():
+    # rows == H, so the per-column variance (axes 0, 1, 3: one value per column) has BatchNormalization's shape
+    g = Graph(shape=(2, 4, H), opset=17)
+    _left(g.model(_keras_bn(g, var_axes=(0, 1, 3))), "axes", "not a statistic of each row")
+
+
+def test_tf_keras_batch_norm_unbiased_variance_stays():
+    g = Graph(opset=17)
+    _left(g.model(_keras_bn(g, count=H - 1)), "variance", f"needs {1 / H:.6g}")
+
+
+def test_tf_keras_batch_norm_view_of_other_rows_stays():
+    # [1, 16, H/2, 1]: BatchNormalization's channels are half rows, not the rows of x
+    g = Graph(shape=(2, 4, H), opset=17)
+    _left(g.model(_keras_bn(g, view=(1, 16, H // 2, 1), channels=16)), "axes", "not as")
+

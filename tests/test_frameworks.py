@@ -57,8 +57,6 @@ EQX_EMBED = ("jax2onnx's vmapped Equinox lookups: the LayerNorm fuses (constant-
              "embedding rule forms only a SkipLayerNormalization")
 JAX2TF_STATS = ("ReduceSum(keepdims=0) × 1/N re-broadcast by Reshape + Expand to a run-time shape "
                 "(Concat(Slice(Shape(x)), …) → Cast)")
-TF_KERAS_BN = ("tf-keras's fused LayerNorm: Reshape to [1, rows, H, 1], BatchNormalization(ones, zeros, "
-               "ReduceMean(axes 0, 2, 3), ReduceSumSquare(x − mean) / ReduceProd(Shape)), Reshape back, then γ, β")
 MS_EMBED = ("MindSpore's lookups Reshape(ids, [-1]) → Gather → Reshape [2, 8, 32]: the LayerNorm fuses (ReduceSumSquare "
             "variance), the embedding rule forms only a SkipLayerNormalization")
 PADDLE_IDENTITY = "the sum reaches the norm through Identity → Identity"
@@ -93,11 +91,11 @@ EXPECTED: dict[str, Case] = {
     "keras3/embedding_layernorm": Case(EMBED),
     "keras3/channels_first": Case(LN),
     # ---- tf2onnx 1.17 from tf-keras 2.21 (opset 17)
-    "tf_keras/layernorm": Case(LN, TF_KERAS_BN),
+    "tf_keras/layernorm": Case(LN),
     "tf_keras/layernorm_eps1e-6": Case(LN),
     "tf_keras/rmsnorm": Case(SLN, centred=False),
-    "tf_keras/residual_layernorm": Case(SKIP, TF_KERAS_BN),
-    "tf_keras/embedding_layernorm": Case(EMBED, TF_KERAS_BN),
+    "tf_keras/residual_layernorm": Case(SKIP),
+    "tf_keras/embedding_layernorm": Case(EMBED),
     "tf_keras/channels_first": Case(LN),
     # ---- paddle2onnx 2.1 from PaddlePaddle 3.3 (opsets 11 and 17)
     "paddle/layernorm_op11": Case(LN),
