@@ -28,7 +28,7 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse.shapes import _Claims, _infer_with_claims, _symbolic, _take_claims, infer_function_types
-from lnfuse.traversal import every_node
+from lnfuse.traversal import every_node, proto_bodies
 
 #: a model of at most this many nodes (subgraphs included) is inferred whole, as it always was: ORT's symbolic
 #: inference takes about a second on it where no op makes sympy slow, and dim names merged anywhere in the model
@@ -182,16 +182,8 @@ def _count_nodes(graph: onnx.GraphProto) -> int:
 
 def _count_ops(graph: onnx.GraphProto, op_type: str | None) -> int:
     """The nodes of ``graph`` and its bodies (of ``op_type`` only, when given)."""
-    count, stack = 0, [graph]
-    while stack:
-        current = stack.pop()
-        count += len(current.node) if op_type is None else sum(n.op_type == op_type for n in current.node)
-        for node in current.node:
-            if node.attribute:
-                for attr in node.attribute:
-                    stack.extend([attr.g] if attr.HasField("g") else [])
-                    stack.extend(attr.graphs)
-    return count
+    return sum(len(g.node) if op_type is None else sum(n.op_type == op_type for n in g.node)
+               for g in [graph, *proto_bodies(graph.node)])
 
 
 def _reads(node: onnx.NodeProto) -> list[str]:
@@ -247,7 +239,7 @@ def _apply(model: ir.Model, inferred: onnx.ModelProto, only: set[str] | None) ->
     functions', from their call sites' new types."""
     graph = inferred.graph
     types = {v.name: v.type for v in graph.value_info}
-    for body in _bodies(graph):
+    for body in proto_bodies(graph.node):
         types.update((v.name, v.type) for v in list(body.value_info) + list(body.output))
     if only is not None:
         types = {name: t for name, t in types.items() if name in only}
@@ -278,12 +270,3 @@ def _set(value: ir.Value, type_proto: onnx.TypeProto, read: dict) -> None:
     value.shape, value.type = shape, ir.TensorType(kind.dtype) if type(kind) is ir.TensorType else kind
 
 
-def _bodies(graph: onnx.GraphProto) -> Iterable[onnx.GraphProto]:
-    stack = [graph]
-    while stack:
-        current = stack.pop()
-        for node in current.node:
-            for attr in node.attribute:
-                subs = [attr.g] if attr.HasField("g") else list(attr.graphs)
-                stack.extend(subs)
-                yield from subs

@@ -29,7 +29,7 @@ from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.repair import declare_output_shapes, repair
 from lnfuse.demand import PendingShapes, infer_shapes_deferred
 from lnfuse.shapes import infer_function_types, infer_shapes
-from lnfuse.traversal import every_node, subgraphs
+from lnfuse.traversal import every_node, every_proto_node, subgraphs
 
 
 @dataclass
@@ -153,7 +153,7 @@ def _ort_only_ops(proto: onnx.ModelProto) -> set[str]:
     """Default-domain ops of the model that ONNX does not define at the model's opset but ONNX Runtime does."""
     opset = next((i.version for i in proto.opset_import if i.domain in ("", "ai.onnx")), 1)
     missing = set()
-    for op in {n.op_type for n in _every_node(proto) if n.domain in ("", "ai.onnx")}:
+    for op in {n.op_type for n in every_proto_node(proto) if n.domain in ("", "ai.onnx")}:
         try:
             onnx.defs.get_schema(op, opset, "")
         except onnx.defs.SchemaError:
@@ -166,23 +166,10 @@ def _ort_only_ops(proto: onnx.ModelProto) -> set[str]:
     return missing if missing <= ort else set()
 
 
-def _every_node(proto: onnx.ModelProto):
-    """The nodes of the main graph, of If/Loop/Scan bodies at any depth, and of model-local functions."""
-    stack = [proto.graph.node, *(f.node for f in proto.functions)]
-    while stack:
-        for node in stack.pop():
-            yield node
-            if not node.attribute:  # most nodes have none: testing is a third of the cost of listing them
-                continue
-            for attr in node.attribute:
-                stack.extend([attr.g.node] if attr.HasField("g") else [])
-                stack.extend(g.node for g in attr.graphs)
-
-
 def _without_ort_only_ops(proto: onnx.ModelProto, ops: set[str]) -> onnx.ModelProto:
     """A copy whose ``ops`` (from ``_ort_only_ops``) are in a domain of their own, which onnx does not check."""
     copy = onnx.ModelProto.FromString(proto.SerializeToString())
-    for node in _every_node(copy):
+    for node in every_proto_node(copy):
         if node.op_type in ops and node.domain in ("", "ai.onnx"):
             node.domain = _ORT_DOMAIN
     for imports in [copy.opset_import, *(f.opset_import for f in copy.functions)]:
@@ -406,7 +393,7 @@ def _densify_sparse(proto: onnx.ModelProto, where: str) -> None:
     """Sparse constants and initializers as dense tensors of the same values (onnx_ir reads only dense ones). The
     budget holds for all of them together, checked before the first is made dense: six sparse tensors of a few
     bytes, each just under it, took 3 GB."""
-    constants = [attr for node in _every_node(proto) if node.op_type == "Constant"
+    constants = [attr for node in every_proto_node(proto) if node.op_type == "Constant"
                  for attr in node.attribute if attr.name == "sparse_value"]
     total = 0
     for sparse in [attr.sparse_tensor for attr in constants] + list(proto.graph.sparse_initializer):

@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from lnfuse.budget import MAX_ELEMENTS, SIZE_PRODUCING, elements
 from lnfuse.library_budget import hide_oversized, restore
-from lnfuse.traversal import every_node
+from lnfuse.traversal import every_node, every_proto_node
 
 
 def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
@@ -198,19 +198,7 @@ def _sizes_out_of_sight(proto: onnx.ModelProto) -> bool:
     (``budget.SIZE_PRODUCING``). The budget's walk sees the main graph only, and onnx's data propagation runs
     through function bodies at each call: a Pad of 2**31 inside a function took 24 GB. Such models are inferred
     without data propagation (which folds nothing, so it allocates nothing for any size)."""
-    bodies = [f.node for f in proto.functions]
-    for node in proto.graph.node:
-        for attr in node.attribute if node.attribute else ():
-            bodies.extend([attr.g.node] if attr.HasField("g") else [])
-            bodies.extend(g.node for g in attr.graphs)
-    while bodies:
-        for node in bodies.pop():
-            if node.op_type in SIZE_PRODUCING:
-                return True
-            for attr in node.attribute if node.attribute else ():
-                bodies.extend([attr.g.node] if attr.HasField("g") else [])
-                bodies.extend(g.node for g in attr.graphs)
-    return False
+    return any(node.op_type in SIZE_PRODUCING for node in every_proto_node(proto, main_graph=False))
 
 
 def _has_huge_input(proto: onnx.ModelProto) -> bool:

@@ -1,4 +1,5 @@
-"""Walking a graph's nodes and those of its subgraphs (If/Loop/Scan bodies, at any depth).
+"""Walking a graph's nodes and those of its subgraphs (If/Loop/Scan bodies, at any depth), in onnx_ir's model and
+in the protobuf one.
 
 The same walk as onnx_ir's ``RecursiveGraphIterator`` (each node, then the nodes of its subgraphs), with one
 generator per graph instead of a chain of them per node: on a graph of a million nodes each walk costs a third.
@@ -6,8 +7,9 @@ generator per graph instead of a chain of them per node: on a graph of a million
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
+import onnx
 import onnx_ir as ir
 
 
@@ -29,3 +31,28 @@ def subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
             yield attr.value
         elif attr.type == ir.AttributeType.GRAPHS:
             yield from attr.value
+
+
+def proto_bodies(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.GraphProto]:
+    """The If/Loop/Scan bodies held by these nodes, at any depth."""
+    stack = [nodes]
+    while stack:
+        for node in stack.pop():
+            if not node.attribute:  # most nodes have none: testing is a third of the cost of listing them
+                continue
+            for attr in node.attribute:
+                subs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+                stack.extend(sub.node for sub in subs)
+                yield from subs
+
+
+def every_proto_node(proto: onnx.ModelProto, main_graph: bool = True) -> Iterator[onnx.NodeProto]:
+    """The nodes of the main graph (unless ``main_graph`` is False), of the model-local functions, and of every
+    If/Loop/Scan body in either, at any depth."""
+    if main_graph:
+        yield from proto.graph.node
+    for function in proto.functions:
+        yield from function.node
+    for nodes in (proto.graph.node, *(f.node for f in proto.functions)):
+        for body in proto_bodies(nodes):
+            yield from body.node
