@@ -60,18 +60,19 @@ class Gate:
 
     # -- admission ------------------------------------------------------------------------------------------------
 
-    def admit_all(self, proto: onnx.ModelProto,
-                  lnfuse_made: Callable[[onnx.TensorProto], bool] | None = None) -> None:
+    def admit_all(self, proto: onnx.ModelProto, lnfuse_made: Callable[[onnx.TensorProto], bool] | None = None,
+                  read_inline: bool = True) -> None:
         """Admit every external tensor of ``proto`` and copy inline all but the weights (``every_tensor``), so that
         no library lnfuse hands the model to reads a file itself. ``lnfuse_made`` tells the placeholders lnfuse put
         in for weights left in the model file (the file the user named, read by ``weights``): only a weight's slot
-        can hold one, so a tensor elsewhere that looks like one is external data like any other."""
+        can hold one, so a tensor elsewhere that looks like one is external data like any other. ``read_inline``
+        False only lists the files (``files``), reading nothing."""
         for tensor, weight in every_tensor(proto):
             if tensor.data_location != onnx.TensorProto.EXTERNAL or \
                     (weight and lnfuse_made is not None and lnfuse_made(tensor)):
                 continue
             offset, length = self.admit(tensor)
-            if not weight:
+            if read_inline and not weight:
                 self._inline(tensor, offset, length)
 
     def admit(self, tensor: onnx.TensorProto) -> tuple[int, int]:

@@ -135,16 +135,12 @@ def _content(path: Path) -> dict:
 def data_files(path: Path) -> list[str]:
     """The external-data files ``path`` reads, relative to its folder, each admitted by lnfuse's gate (inside the
     folder, a regular file of one link, long enough), or ``InputError`` naming the reference that is not."""
-    import onnx
-
     from lnfuse import io
-    from lnfuse.gate import Gate, every_tensor
+    from lnfuse.gate import Gate
 
     proto, weights = io.read_proto(path)
     gate = Gate(path.parent, str(path))
-    for tensor, _ in every_tensor(proto):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL and not (weights is not None and weights.holds(tensor)):
-            gate.admit(tensor)
+    gate.admit_all(proto, lnfuse_made=weights.holds if weights is not None else None, read_inline=False)
     return [os.path.relpath(f, gate.folder) for f in gate.files()]
 
 
