@@ -337,6 +337,8 @@ def _is_arange(ids: ir.Value, depth: int = 0) -> bool:
     """True when every row of ``ids`` is 0, 1, ..., n-1 (the caller checks that n is the sequence length)."""
     array = static_value(ids)
     if array is not None:
+        if array.size == 0:
+            return False  # no position at all: not the positions of a sequence
         rows = array.reshape(-1, array.shape[-1]) if array.ndim else array.reshape(1, 1)
         return bool(np.all(rows == np.arange(rows.shape[-1])))
     node = ids.producer()

@@ -1321,9 +1321,10 @@ def test_fuzz_cases_through_the_process(seeds, tmp_path: Path):
 #: LayerNormalization, which ORT's symbolic inference took for ONNX's op (its output typed like its first input: ORT
 #: refused the output); 0/132: a Pad of 2^31 inside a function, which onnx's data propagation expanded (24 GB);
 #: 8/210: a Tile of 2^28 in a function's body, expanded the same way when the body was typed (3.7 GB); 8/18781: a
-#: Tile by 2^40 of an empty tensor, which numpy's tile grows axis by axis (a 4 TiB intermediate, exit 3)
+#: Tile by 2^40 of an empty tensor, which numpy's tile grows axis by axis (a 4 TiB intermediate, exit 3); 9/608:
+#: constant position ids of no element, which the embedding rule reshaped to test for 0..S-1 (exit 3)
 FOUND = ((2, 3808, False), (2, 2876, False), (3, 14181, False), (3, 12068, False), (4, 19930, False),
-         (7, 1934, None), (0, 132, None), (8, 210, None), (8, 18781, None))
+         (7, 1934, None), (0, 132, None), (8, 210, None), (8, 18781, None), (9, 608, None))
 
 
 @pytest.mark.parametrize("series, case, structured", FOUND)
