@@ -17,7 +17,7 @@ from lnfuse.errors import InputError, LnfuseError, OutputError, UsageError
 
 if TYPE_CHECKING:
     from lnfuse.api import FuseResult, fuse
-    from lnfuse.decompose import decompose
+    from lnfuse.commands.decompose import decompose
     from lnfuse.report import Report
 
 __all__ = ["fuse", "decompose", "FusePass", "FuseResult", "Report", "LnfuseError", "InputError", "OutputError",
@@ -25,8 +25,8 @@ __all__ = ["fuse", "decompose", "FusePass", "FuseResult", "Report", "LnfuseError
 
 #: imported on first use: the optimizer pulls in onnx_ir, ONNX Runtime and numpy (about half a second), which
 #: ``lnfuse --help`` and ``import lnfuse.errors`` do not need
-_LAZY = {"fuse": "lnfuse.api", "FuseResult": "lnfuse.api", "decompose": "lnfuse.decompose", "Report": "lnfuse.report",
-         "FusePass": "lnfuse.passes"}
+_LAZY = {"fuse": "lnfuse.api", "FuseResult": "lnfuse.api", "decompose": "lnfuse.commands.decompose",
+         "Report": "lnfuse.report", "FusePass": "lnfuse.integrations.ir_pass"}
 
 
 def __getattr__(name: str):

@@ -15,18 +15,18 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from lnfuse import io
+from lnfuse.load import io
 from lnfuse.engine import Options, fuse_model, nodes_of, type_new_values
-from lnfuse.provenance import mark_model
+from lnfuse.save.provenance import mark_model
 from lnfuse.errors import InputError, UsageError
 from lnfuse.report import Report
-from lnfuse.rule import Rule
+from lnfuse.match.rule import Rule
 from lnfuse.rules import all_rules
-from lnfuse.quantize import SCHEMES, accuracy, quantize_embeddings
+from lnfuse.commands.quantize import SCHEMES, accuracy, quantize_embeddings
 from lnfuse.targets import TARGETS
-from lnfuse.quantized_norms import quantized_norms
-from lnfuse.traversal import every_node
-from lnfuse.whole_model import compare_models
+from lnfuse.match.quantized_norms import quantized_norms
+from lnfuse.index.traversal import every_node
+from lnfuse.verification.whole_model import compare_models
 
 if TYPE_CHECKING:  # only for the annotation: lnfuse never imports torch
     from torch.onnx import ONNXProgram

@@ -159,7 +159,7 @@ def _progress(fraction: float, label: str) -> None:
 def _check_outputs(*paths: str | None) -> None:
     """Refuse an output path that cannot be written (a missing folder, a folder, a device, FIFO or socket) before
     the model is read: fusing a large model takes a while. Saving checks every path again when it writes."""
-    from lnfuse import trust
+    from lnfuse.load import trust
 
     for text in filter(None, paths):
         path = Path(text)
@@ -171,9 +171,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
     import numpy as np
 
     from lnfuse.api import fuse
-    # through the package: importing the submodule by its own name would rebind lnfuse.decompose to the module,
-    # and a later lnfuse.decompose(...) in the same process would call a module
-    from lnfuse import decompose
+    from lnfuse.commands.decompose import decompose
 
     _check_outputs(getattr(args, "output", None), getattr(args, "report", None), getattr(args, "annotate", None))
     if command == "decompose":
@@ -203,7 +201,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
         print(report.to_json() if args.json else report.explain(verbose=args.verbose))
         where = sys.stderr if args.json else sys.stdout
         if args.annotate:  # the report, if asked for, is renamed into place with the annotated copy
-            from lnfuse.annotate import write_annotated
+            from lnfuse.save.annotate import write_annotated
             labelled = write_annotated(args.model, report, args.annotate, report_file=args.report)
             print(f"wrote {args.annotate} ({labelled} candidate node(s) annotated)", file=where)
         elif args.report:
@@ -249,9 +247,9 @@ def _run(command: str, args: argparse.Namespace) -> int:
 def _write_report(path: str, text: str, model) -> None:
     """``explain --report`` without ``--annotate``: the report alone, written as every output is (into a temporary
     folder beside it, then renamed into place), and never over a file the run read (the input or its data)."""
-    from lnfuse import io, trust
+    from lnfuse.load import io, trust
     from lnfuse.errors import OutputError
-    from lnfuse.staging import Staging
+    from lnfuse.save.staging import Staging
 
     target = Path(path)
     folder = target.parent if str(target.parent) else Path(".")

@@ -16,19 +16,19 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from lnfuse import candidates as statistics
-from lnfuse.algebra import Cache
-from lnfuse.canonical import canonicalize
-from lnfuse.constants import static_value
-from lnfuse.demand import PendingShapes
-from lnfuse.pattern import Match
-from lnfuse.provenance import mark_fused
-from lnfuse.quantized_norms import rounding_reason
+from lnfuse.match import candidates as statistics
+from lnfuse.match.algebra import Cache
+from lnfuse.index.canonical import canonicalize
+from lnfuse.index.constants import static_value
+from lnfuse.index.demand import PendingShapes
+from lnfuse.match.pattern import Match
+from lnfuse.save.provenance import mark_fused
+from lnfuse.match.quantized_norms import rounding_reason
 from lnfuse.report import Candidate, Fused, Refused, Report, Unfused
-from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
-from lnfuse.shapes import infer_shapes
-from lnfuse.traversal import every_node
-from lnfuse.verify import verify
+from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
+from lnfuse.index.shapes import infer_shapes
+from lnfuse.index.traversal import every_node
+from lnfuse.verification.region import verify
 
 #: match attempts per root node; commuted operands make a few, a pathological graph must not make thousands
 _MAX_ATTEMPTS = 64

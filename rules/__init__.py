@@ -5,7 +5,7 @@ Norms come first: later families (residual, embedding) consume the norms fused h
 
 from __future__ import annotations
 
-from lnfuse.rule import Rule
+from lnfuse.match.rule import Rule
 
 from . import embed_norm, layer_norm, rms_norm, skip_norm
 

@@ -12,10 +12,10 @@ from typing import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.budget import OverBudget
-from lnfuse.constants import fold, is_static, static_value
-from lnfuse.pattern import Either, Match, Op, Pattern, Terms, attr_value, maybe_cast, mono
-from lnfuse.rule import GraphContext, Refusal
+from lnfuse.index.budget import OverBudget
+from lnfuse.index.constants import fold, is_static, static_value
+from lnfuse.match.pattern import Either, Match, Op, Pattern, Terms, attr_value, maybe_cast, mono
+from lnfuse.match.rule import GraphContext, Refusal
 
 #: reductions that sum without dividing by the count (ReduceSumSquare sums the squares)
 SUMS = ("ReduceSum", "ReduceSumSquare")
@@ -422,7 +422,8 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
 
 
 #: the most elements a constant the fused op needs in full (a broadcast gamma, a unit scale) may have: a norm that
-#: wide cannot be verified within lnfuse.verify.BUDGET anyway, and a 300-byte model must not grow a gigabyte weight
+#: wide cannot be verified within lnfuse.verification.region.BUDGET anyway, and a 300-byte model must not grow a
+#: gigabyte weight
 MAX_LAID_OUT = 1 << 25
 
 

@@ -15,9 +15,9 @@ from fractions import Fraction
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.constants import is_static, static_value
-from lnfuse.pattern import Either, Match, Mono, Op, Pattern, Terms, Var, maybe_cast, mono
-from lnfuse.rule import GraphContext, Refusal, Replacement
+from lnfuse.index.constants import is_static, static_value
+from lnfuse.match.pattern import Either, Match, Mono, Op, Pattern, Terms, Var, maybe_cast, mono
+from lnfuse.match.rule import GraphContext, Refusal, Replacement
 from ._common import (FLOATS, cast_target, channel_param, check_laid_out, dtype_of, is_widening, node_name,
                       param_as, rank_of, read_outside, readers_outside)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.constants import is_static, static_value
-from lnfuse.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
-from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
+from lnfuse.index.constants import is_static, static_value
+from lnfuse.match.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
+from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from ._common import dtype_of, kernel_epsilon, node_name, read_outside, same_dim
 
 _INDEX_TYPES = (ir.DataType.INT32, ir.DataType.INT64)

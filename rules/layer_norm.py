@@ -11,9 +11,9 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.constants import static_value
-from lnfuse.pattern import Either, Match, Op, Terms, Var, attr_value, maybe_cast, mono
-from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
+from lnfuse.index.constants import static_value
+from lnfuse.match.pattern import Either, Match, Op, Terms, Var, attr_value, maybe_cast, mono
+from lnfuse.match.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, SUMS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
                       check_mean_scale, check_statistic_precision, epsilon, kept_dims, mean_of_square, mean_over,
                       node_name, param_as, rank_of, read_outside, readers_outside, reduced_axes, square, trailing_axes)
@@ -46,7 +46,7 @@ def reference():
 
 
 # ---- the math, as patterns --------------------------------------------------------------------------------------
-# y = (x - mean) * (var + eps) ** -1/2 * gamma + beta, matched on the normal form (``lnfuse.algebra``): any order,
+# y = (x - mean) * (var + eps) ** -1/2 * gamma + beta, matched on the normal form (``lnfuse.match.algebra``): any order,
 # association and sign of the products and sums below reaches the same monomials.
 X = maybe_cast(Var("x_in"), cast="cast_in", name="x")
 MEAN = mean_over(X, "mean")

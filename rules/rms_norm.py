@@ -10,8 +10,8 @@ import functools
 
 import onnx_ir as ir
 
-from lnfuse.pattern import Match, Var, maybe_cast
-from lnfuse.rule import GraphContext, Refusal, Replacement, Rule
+from lnfuse.match.pattern import Match, Var, maybe_cast
+from lnfuse.match.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
                       check_mean_scale, check_statistic_precision, epsilon, mean_of_square, node_name, trailing_axes)
 from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
@@ -39,7 +39,7 @@ def reference():
     return rms_normalization
 
 
-# y = x * (mean(x²) + eps) ** -1/2 * gamma, matched on the normal form (``lnfuse.algebra``)
+# y = x * (mean(x²) + eps) ** -1/2 * gamma, matched on the normal form (``lnfuse.match.algebra``)
 X = maybe_cast(Var("x_in"), cast="cast_in", name="x")
 VAR_EPS = var_plus_eps(mean_of_square(X, "sq", "var"))
 PATTERN = affine([[(1, maybe_cast(X, cast="d_cast", name="d_num"), "scale_x")]], inverse_sqrt(VAR_EPS), beta=False)

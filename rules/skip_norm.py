@@ -20,8 +20,8 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
-from lnfuse.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
+from lnfuse.match.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
+from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from ._common import dtype_of, kernel_epsilon, node_name, rank_of, read_outside
 
 _KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)

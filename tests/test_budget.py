@@ -1,4 +1,4 @@
-"""The budget for everything computed from constants (``lnfuse.budget``).
+"""The budget for everything computed from constants (``lnfuse.index.budget``).
 
 Each hostile model is a LayerNorm of a few hundred bytes whose epsilon (or Reshape target) is computed from an
 array of 2**28 to 2**31 elements: ConstantOfShape, Expand, Range, Tile, Pad, Resize and a chain of Concat(x, x).
@@ -22,7 +22,7 @@ import onnx.numpy_helper as onh
 import pytest
 from onnx import TensorProto
 
-from lnfuse.budget import MAX_ELEMENTS
+from lnfuse.index.budget import MAX_ELEMENTS
 from lnfuse.cli import main
 
 #: the child's address space (ONNX Runtime and numpy reserve much more than they touch) and its resident peak
@@ -218,7 +218,7 @@ def test_a_real_sized_constant_mask_still_runs_whole(tmp_path, capsys):
 def test_a_whole_model_run_counts_every_node_it_would_grow(tmp_path, capsys):
     """Four Expands each just under the whole-model limit took 2.3 GB and ended in an allocation failure reported
     as a difference: what all nodes make beyond the data they read is summed."""
-    from lnfuse.whole_model import RUN_ELEMENTS
+    from lnfuse.verification.whole_model import RUN_ELEMENTS
 
     model = _layer_norm([_const("eps0", np.array(1e-5, np.float32))], "eps0")
     side = int((RUN_ELEMENTS - 1) ** 0.5)
@@ -237,7 +237,7 @@ def test_a_whole_model_run_counts_every_node_it_would_grow(tmp_path, capsys):
 def test_inference_still_sees_shapes_below_the_budget():
     """What the libraries are shown is the model itself when nothing passes the budget: an Expand to a small
     constant shape, flattened by a Reshape, keeps its static shapes."""
-    from lnfuse.shapes import infer_shapes
+    from lnfuse.index.shapes import infer_shapes
 
     inferred, _ = infer_shapes(_expand(3))
     shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in inferred.graph.value_info}
@@ -248,7 +248,7 @@ def test_inference_still_sees_shapes_below_the_budget():
 def test_inference_is_shown_no_oversized_fold_and_gets_its_names_back():
     """Over the budget the node's constant inputs are hidden from the libraries while they infer, and put back:
     the inferred model has the original nodes and inputs."""
-    from lnfuse.shapes import infer_shapes
+    from lnfuse.index.shapes import infer_shapes
 
     model = _fill(2**31)
     before = [list(n.input) for n in model.graph.node]
@@ -265,8 +265,8 @@ def test_fold_is_sized_before_it_is_computed():
     numpy's allocation, or take the machine, if it were tried)."""
     import onnx_ir as ir
 
-    from lnfuse.budget import OverBudget
-    from lnfuse.constants import fold
+    from lnfuse.index.budget import OverBudget
+    from lnfuse.index.constants import fold
 
     model = ir.serde.deserialize_model(_expand(2**20))
     eps = next(n for n in model.graph if n.op_type == "Gather").outputs[0]

@@ -1,4 +1,4 @@
-"""explain and check find norm-like statistics themselves (lnfuse/candidates.py), whatever the rules match.
+"""explain and check find norm-like statistics themselves (lnfuse/match/candidates.py), whatever the rules match.
 
 The graphs are written as JAX/Flax (jax2onnx, jax2tf + tf2onnx) and Keras's BatchNormalization path write them
 (issue 20). Today no rule fuses those spellings; others are teaching the rules to. So the tests on them hold what
@@ -24,7 +24,7 @@ import pytest
 from onnx import TensorProto
 
 import lnfuse
-from lnfuse import candidates
+from lnfuse.match import candidates
 from normgraphs import Spec, build, run
 
 H = 8

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto
 
 import lnfuse
-from lnfuse.whole_model import compare_models
+from lnfuse.verification.whole_model import compare_models
 
 
 def _model(nodes, inputs, outputs, inits=(), opset=18):

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto
 
 import lnfuse
-from lnfuse.whole_model import compare_models, random_inputs
+from lnfuse.verification.whole_model import compare_models, random_inputs
 from normgraphs import Spec, build
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"

@@ -1,5 +1,5 @@
-"""Shape inference on demand (``lnfuse.demand``): ONNX Runtime's symbolic inference runs only where candidates are,
-and within a budget. What is asserted is behaviour, read from the report's notes (times are the benchmark's:
+"""Shape inference on demand (``lnfuse.index.demand``): ONNX Runtime's symbolic inference runs only where candidates
+are, and within a budget. What is asserted is behaviour, read from the report's notes (times are the benchmark's:
 ``benchmarks/cliff.py``)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 import lnfuse
-from lnfuse import demand
+from lnfuse.index import demand
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))

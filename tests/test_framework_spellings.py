@@ -19,9 +19,9 @@ import pytest
 from onnx import TensorProto
 
 import lnfuse
-from lnfuse import algebra
-from lnfuse.constants import static_value
-from lnfuse.shapes import infer_shapes
+from lnfuse.match import algebra
+from lnfuse.index.constants import static_value
+from lnfuse.index.shapes import infer_shapes
 from normgraphs import run
 
 H, EPS = 8, 1e-5

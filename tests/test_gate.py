@@ -14,10 +14,10 @@ import pytest
 from onnx.external_data_helper import set_external_data
 
 import lnfuse
-from lnfuse import io
+from lnfuse.load import io
 from lnfuse.errors import InputError
-from lnfuse.gate import Gate, GatedTensor, ort_initializers
-from lnfuse.verify import session
+from lnfuse.load.gate import Gate, GatedTensor, ort_initializers
+from lnfuse.verification.region import session
 from normgraphs import Spec, build
 
 SECRET = b"canary: these bytes live outside the model folder " * 8

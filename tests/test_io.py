@@ -152,7 +152,7 @@ def test_models_behind_links_are_read_like_any_file(tmp_path: Path, link: str):
 
 
 def test_a_rewrite_of_the_input_while_it_is_read_is_caught(tmp_path: Path, monkeypatch):
-    import lnfuse.io as lio
+    import lnfuse.load.io as lio
     model = _layer_norm_file(tmp_path / "m.onnx")
     infer = lio.infer_shapes_deferred  # what fuse's load runs (ORT's symbolic inference is left for later)
 

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 
 import lnfuse
-from lnfuse.repair import runtime_max_ir_version
+from lnfuse.load.repair import runtime_max_ir_version
 from normgraphs import Spec, build, feeds_for, run, tolerance
 
 

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto
 
 import lnfuse
-from lnfuse.pattern import noop_source
+from lnfuse.match.pattern import noop_source
 from normgraphs import feeds_for, op_types, run
 
 H = 8

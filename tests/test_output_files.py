@@ -26,7 +26,7 @@ from onnx.external_data_helper import set_external_data
 
 from lnfuse.cli import main
 from lnfuse.errors import OutputError
-from lnfuse.staging import Staging
+from lnfuse.save.staging import Staging
 from normgraphs import Spec, build
 
 #: an unknown field number of ModelProto: protobuf parsers (onnx's, ONNX Runtime's) skip it

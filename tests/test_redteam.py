@@ -113,7 +113,7 @@ def test_ops_of_other_domains_are_never_taken_for_the_same_value():
     merge them into one factor (with --no-verify, only this stands between them and a wrong norm)."""
     import onnx_ir as ir
 
-    from lnfuse.algebra import key
+    from lnfuse.match.algebra import key
 
     x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 4]))
     a = ir.Node("com.example", "Noise", [x], num_outputs=1)

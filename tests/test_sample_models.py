@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 import lnfuse
-from lnfuse.whole_model import compare_models, random_inputs
+from lnfuse.verification.whole_model import compare_models, random_inputs
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 LAYER = ("LayerNormalization", "SkipLayerNormalization")

@@ -18,7 +18,7 @@ from onnx.external_data_helper import set_external_data
 
 import lnfuse
 from lnfuse.cli import main
-from lnfuse.staging import Staging
+from lnfuse.save.staging import Staging
 from normgraphs import Spec, build
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
@@ -274,7 +274,7 @@ def test_a_file_of_0xff_bytes_is_refused(tmp_path: Path, capsys):
 _DYING_RUN = """
 import sys, time
 from pathlib import Path
-from lnfuse.staging import Staging
+from lnfuse.save.staging import Staging
 area = Staging().area(Path(sys.argv[1]))
 (area / "o.onnx.data").write_bytes(bytes(1 << 20))
 print(area, flush=True)

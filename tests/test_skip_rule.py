@@ -277,7 +277,7 @@ def test_vitdet_rank4_residual_norms_become_skip_ops(name):
     """transformers' ViTDet keeps its activations as [B, H, W, C]: the patch + position sum and both residual
     sums of each layer feed a LayerNorm (sample_models/make_exporter_samples.py)."""
     from pathlib import Path
-    from lnfuse.whole_model import compare_models
+    from lnfuse.verification.whole_model import compare_models
     path = Path(__file__).resolve().parent.parent / "sample_models" / name
     original = onnx.load(path)
     assert sum(n.op_type == "LayerNormalization" for n in original.graph.node) == 4

@@ -250,7 +250,7 @@ def test_lnfuse_as_an_olive_pass(tmp_path):
     pytest.importorskip("olive.workflows")
     from olive.workflows import run as olive_run
 
-    from lnfuse.olive_pass import package_config
+    from lnfuse.integrations.olive import package_config
 
     workflow = {
         "input_model": {"type": "ONNXModel", "model_path": str(BERT)},

@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto
 
 import lnfuse
-from lnfuse import verify
+from lnfuse.verification import region as verify
 
 _MEMORY_LIMIT = 3 << 30
 

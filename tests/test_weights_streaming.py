@@ -15,8 +15,8 @@ import pytest
 from onnx import TensorProto
 
 import lnfuse
-from lnfuse import wire
-from lnfuse.weights import InlineWeight
+from lnfuse.load import wire
+from lnfuse.load.weights import InlineWeight
 
 HIDDEN, FFN = 64, 256
 

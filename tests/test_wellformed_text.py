@@ -7,7 +7,7 @@ import onnx
 import onnx.helper as oh
 import pytest
 
-from lnfuse import wellformed
+from lnfuse.load import wellformed
 from lnfuse.errors import InputError
 
 

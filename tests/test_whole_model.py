@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto
 
 import lnfuse
-from lnfuse.whole_model import model_inputs
+from lnfuse.verification.whole_model import model_inputs
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 WHOLE_MODEL_SAMPLES = ["wm_vit_legacy_op14.onnx", "wm_convnext_legacy_op14.onnx", "wm_wav2vec2_legacy_op14.onnx",

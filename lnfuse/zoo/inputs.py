@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lnfuse import trust
+from lnfuse.load import trust
 from lnfuse.errors import UsageError
 
 #: lnfuse's own temporary folders (``io.save``'s staging) are never inputs

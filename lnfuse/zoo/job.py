@@ -135,8 +135,8 @@ def _content(path: Path) -> dict:
 def data_files(path: Path) -> list[str]:
     """The external-data files ``path`` reads, relative to its folder, each admitted by lnfuse's gate (inside the
     folder, a regular file of one link, long enough), or ``InputError`` naming the reference that is not."""
-    from lnfuse import io
-    from lnfuse.gate import Gate
+    from lnfuse.load import io
+    from lnfuse.load.gate import Gate
 
     proto, weights = io.read_proto(path)
     gate = Gate(path.parent, str(path))

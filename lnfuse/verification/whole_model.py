@@ -9,9 +9,9 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse.errors import InputError, UsageError, first_line
-from lnfuse.gate import Gate
-from lnfuse.library_budget import first_oversized
-from lnfuse.verify import BUDGET, ID_MOVES, TOLERANCE, compare, dim_size, session
+from lnfuse.load.gate import Gate
+from lnfuse.index.library_budget import first_oversized
+from lnfuse.verification.region import BUDGET, ID_MOVES, TOLERANCE, compare, dim_size, session
 
 #: sizes tried for the spatial dims of an image (read by a 2-D or 3-D Conv) or a signal (a 1-D Conv), in order: the
 #: sizes models are trained at come first, since a position table may fix them; each try is one run of the model

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.budget import OverBudget, output_elements, require
+from lnfuse.index.budget import OverBudget, output_elements, require
 
 _MAX_DEPTH = 8
 _FOLDABLE = frozenset(

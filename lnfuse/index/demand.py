@@ -27,8 +27,8 @@ from typing import Callable, Iterable
 import onnx
 import onnx_ir as ir
 
-from lnfuse.shapes import _Claims, _infer_with_claims, _symbolic, _take_claims, infer_function_types
-from lnfuse.traversal import every_node, proto_bodies
+from lnfuse.index.shapes import _Claims, _infer_with_claims, _symbolic, _take_claims, infer_function_types
+from lnfuse.index.traversal import every_node, proto_bodies
 
 #: a model of at most this many nodes (subgraphs included) is inferred whole, as it always was: ORT's symbolic
 #: inference takes about a second on it where no op makes sympy slow, and dim names merged anywhere in the model

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.pattern import Match, Pattern
+from lnfuse.match.pattern import Match, Pattern
 
 #: meta key on a new node's output that stays an absent optional output ("" in the saved model)
 ABSENT = "lnfuse.absent"

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.constants import static_value
+from lnfuse.index.constants import static_value
 
 # ops that only move or select elements: their outputs hold values of their (first) input
 _MOVES = frozenset({"Gather", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice", "Identity", "Expand",

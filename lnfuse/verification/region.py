@@ -20,10 +20,10 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from lnfuse.constants import is_static, static_value
-from lnfuse.gate import Gate, ort_initializers
-from lnfuse.pattern import attr_value
-from lnfuse.rule import Replacement
+from lnfuse.index.constants import is_static, static_value
+from lnfuse.load.gate import Gate, ort_initializers
+from lnfuse.match.pattern import attr_value
+from lnfuse.match.rule import Replacement
 
 #: (atol, rtol) by the dtype of the compared output
 TOLERANCE = {

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from lnfuse import trust
+from lnfuse.load import trust
 from lnfuse.errors import InputError
 
 #: external bytes lnfuse copies inline at load (everything but the main graph's weights: small constants, sparse

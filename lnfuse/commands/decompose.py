@@ -16,15 +16,15 @@ import onnx
 import onnx.inliner
 import onnx_ir as ir
 
-from lnfuse import io
-from lnfuse.constants import static_value
+from lnfuse.load import io
+from lnfuse.index.constants import static_value
 from lnfuse.engine import apply, cleanup, nodes_of, scopes, type_new_values, _all_names
-from lnfuse.pattern import attr_value
-from lnfuse.provenance import mark_decomposed
+from lnfuse.match.pattern import attr_value
+from lnfuse.save.provenance import mark_decomposed
 from lnfuse.report import DECOMPOSE, Fused, Report, Unfused
-from lnfuse.rule import GraphContext, Refusal, Replacement
+from lnfuse.match.rule import GraphContext, Refusal, Replacement
 from lnfuse.rules import embed_norm, layer_norm, rms_norm, skip_norm
-from lnfuse.verify import verify
+from lnfuse.verification.region import verify
 
 
 @dataclass(frozen=True)

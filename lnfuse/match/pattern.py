@@ -25,8 +25,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import onnx_ir as ir
 
-from lnfuse import algebra
-from lnfuse.constants import static_value
+from lnfuse.match import algebra
+from lnfuse.index.constants import static_value
 
 COMMUTATIVE = frozenset({"Add", "Mul"})
 #: the op types ``noop_source`` may find handing their input on unchanged (each is then checked)

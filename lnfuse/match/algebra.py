@@ -26,7 +26,7 @@ from typing import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.constants import is_static, static_value
+from lnfuse.index.constants import is_static, static_value
 
 CHAIN = frozenset({"Add", "Sub", "Neg", "Mul", "Div", "Reciprocal", "Pow", "Sqrt", "Identity"})
 #: ops that hand on one operand unchanged where a proof says so (``_guarded``): clamps at 0 of a quantity that is

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from lnfuse.constants import static_value
+from lnfuse.index.constants import static_value
 
 #: which rule's reasons explain a candidate of each kind (a centred norm is not an RMS near-miss)
 RULE_OF_KIND = {"centred": "layer_norm", "uncentred": "rms_norm"}

@@ -13,11 +13,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from lnfuse.constants import static_value
-from lnfuse.provenance import mark_fused
+from lnfuse.index.constants import static_value
+from lnfuse.save.provenance import mark_fused
 from lnfuse.report import Fused, Report, Unfused
-from lnfuse.rule import GraphContext
-from lnfuse.whole_model import compare_models, random_inputs
+from lnfuse.match.rule import GraphContext
+from lnfuse.verification.whole_model import compare_models, random_inputs
 
 SCHEMES = ("uint8", "int8")
 

@@ -17,7 +17,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir import _core
 
-from lnfuse import wire
+from lnfuse.load import wire
 from lnfuse.errors import InputError
 
 #: weights with at most this many elements are parsed with the model: shape inference may need their values

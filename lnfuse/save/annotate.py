@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-from lnfuse import io
+from lnfuse.load import io
 from lnfuse.engine import scopes
-from lnfuse.provenance import mark_candidates
+from lnfuse.save.provenance import mark_candidates
 from lnfuse.report import Report
 
 

@@ -18,8 +18,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from lnfuse.budget import MAX_ELEMENTS, SIZE_PRODUCING, SIZED, elements, output_elements, stand_in
-from lnfuse.constants import _FOLD
+from lnfuse.index.budget import MAX_ELEMENTS, SIZE_PRODUCING, SIZED, elements, output_elements, stand_in
+from lnfuse.index.constants import _FOLD
 
 #: values held with their numbers (shapes, axes, epsilon) up to this many elements; larger known values are only
 #: sized. A size input is never that large in a model worth fusing.

@@ -17,7 +17,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from lnfuse import trust
+from lnfuse.load import trust
 
 #: short and fixed-length, so a temporary folder fits beside an output of any valid name (a 255-byte file name)
 _FOLDER = re.compile(r"^\.[0-9a-f]{12}\.lnfuse-tmp$")

@@ -3,7 +3,7 @@
 Olive finds a pass type through its package config, which a run replaces as a whole; so this module writes Olive's
 own config plus the ``LnfuseFusion`` entry:
 
-    python -m lnfuse.olive_pass > lnfuse-olive.json
+    python -m lnfuse.integrations.olive > lnfuse-olive.json
     olive run --config workflow.json --package-config lnfuse-olive.json
 
 with ``"passes": {"fuse": {"type": "LnfuseFusion", "target": "ort"}}`` in the workflow (after OnnxConversion or
@@ -55,7 +55,8 @@ class LnfuseFusion(Pass):
 def package_config() -> dict:
     """Olive's own package config, plus ``LnfuseFusion``."""
     config = json.loads(Path(OlivePackageConfig.get_default_config_path()).read_text())
-    config["passes"]["LnfuseFusion"] = {"module_path": "lnfuse.olive_pass.LnfuseFusion", "supported_providers": ["*"],
+    config["passes"]["LnfuseFusion"] = {"module_path": "lnfuse.integrations.olive.LnfuseFusion",
+                                        "supported_providers": ["*"],
                                         "supported_accelerators": ["*"], "supported_precisions": ["*"],
                                         "supported_algorithms": [], "supported_quantization_encodings": []}
     return config

@@ -19,9 +19,9 @@ from typing import Callable
 import onnx
 import onnx_ir as ir
 
-from lnfuse.budget import MAX_ELEMENTS, SIZE_PRODUCING, elements
-from lnfuse.library_budget import hide_oversized, restore
-from lnfuse.traversal import every_node, every_proto_node
+from lnfuse.index.budget import MAX_ELEMENTS, SIZE_PRODUCING, elements
+from lnfuse.index.library_budget import hide_oversized, restore
+from lnfuse.index.traversal import every_node, every_proto_node
 
 
 def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:

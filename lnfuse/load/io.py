@@ -21,15 +21,15 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError, Message
 
-from lnfuse import trust, wellformed, wire
-from lnfuse.gate import WEIGHT_ELEMENTS, Gate, GatedTensor, weight_value
-from lnfuse.staging import Staging
-from lnfuse.weights import FileWeights, InlineWeight, SourceWeights, attach, split
+from lnfuse.load import trust, wellformed, wire
+from lnfuse.load.gate import WEIGHT_ELEMENTS, Gate, GatedTensor, weight_value
+from lnfuse.save.staging import Staging
+from lnfuse.load.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
-from lnfuse.repair import declare_output_shapes, repair
-from lnfuse.demand import PendingShapes, infer_shapes_deferred
-from lnfuse.shapes import infer_function_types, infer_shapes
-from lnfuse.traversal import every_node, every_proto_node, subgraphs
+from lnfuse.load.repair import declare_output_shapes, repair
+from lnfuse.index.demand import PendingShapes, infer_shapes_deferred
+from lnfuse.index.shapes import infer_function_types, infer_shapes
+from lnfuse.index.traversal import every_node, every_proto_node, subgraphs
 
 
 @dataclass

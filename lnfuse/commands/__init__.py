@@ -1,0 +1,1 @@
+"""Commands beyond fusing: ``decompose`` (fused ops back to primitives) and ``--quantize-embeddings``."""
