@@ -167,3 +167,49 @@ def test_a_real_cycle_is_refused_naming_its_nodes(tmp_path: Path):
     assert "cycle" in proc.stderr and f"'{sub.name}'" in proc.stderr and f"'{div.name}'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_two_initializers_of_one_name_read_as_ort_reads_them():
+    """ORT keeps the initializer written last; the fused model computes with that one, not the first."""
+    model = build(Spec())
+    gamma = next(t for t in model.graph.initializer if t.name in model.graph.node[-2].input)
+    first = onnx.TensorProto()
+    first.CopyFrom(gamma)
+    first.ClearField("raw_data")
+    first.ClearField("float_data")
+    first.float_data.extend([100.0] * int(np.prod(first.dims)))
+    model.graph.initializer.insert(0, first)  # a decoy before the one ORT uses
+    fused = _fuses_exactly(model)
+    onnx.checker.check_model(fused, full_check=True)
+
+
+def _function_model(body: list, function_opset: int, model_opset: int, shape: list[int], x: str = "x",
+                    y: str = "y") -> onnx.ModelProto:
+    function = oh.make_function("local", "F", [x], [y], body, [oh.make_opsetid("", function_opset)])
+    return oh.make_model(oh.make_graph([oh.make_node("F", [x], [y], domain="local")], "g",
+                                       [oh.make_tensor_value_info(x, onnx.TensorProto.FLOAT, shape)],
+                                       [oh.make_tensor_value_info(y, onnx.TensorProto.FLOAT, shape)]),
+                         opset_imports=[oh.make_opsetid("", model_opset), oh.make_opsetid("local", 1)],
+                         functions=[function])
+
+
+def test_a_function_at_another_opset_runs_at_the_models_as_in_ort():
+    """ORT runs a function importing opset 11 in a model importing 17 at opset 17 (onnx's checker refuses the
+    mix): Softmax(axis=1) is opset 13's, a softmax over axis 1 alone, not opset 11's over the flattened axes 1..2.
+    lnfuse reads it as ORT does, and the model it writes computes the same."""
+    model = _function_model([oh.make_node("Softmax", ["x"], ["y"], axis=1)], 11, 17, [2, 3, 4])
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    written = lnfuse.fuse(model).model
+    onnx.checker.check_model(written, full_check=True)
+    expected = run(model, {"x": x})[0]
+    np.testing.assert_allclose(run(written, {"x": x})[0], expected, rtol=1e-6)
+    np.testing.assert_allclose(expected.sum(axis=1), 1.0, rtol=1e-5)  # opset 13's meaning, as ORT runs it
+
+
+def test_a_norm_in_a_function_at_another_opset_is_fused():
+    norm = build(Spec(opset=13))
+    body = [oh.make_node("Constant", [], [t.name], value=t) for t in norm.graph.initializer] + list(norm.graph.node)
+    shape = [d.dim_value for d in norm.graph.input[0].type.tensor_type.shape.dim]
+    model = _function_model(body, 13, 17, shape, norm.graph.input[0].name, norm.graph.output[0].name)
+    fused = _fuses_exactly(model)
+    onnx.checker.check_model(fused, full_check=True)

@@ -1,10 +1,12 @@
 """Read a model the way ONNX Runtime reads it: repair what ORT repairs itself, refuse what ORT refuses.
 
 The input contract is "every model the installed ONNX Runtime loads". ORT sorts nodes that are out of order,
-declares a contrib domain a model uses without importing it, reads any IR version it was built for, and treats a
-dim of -1 as unknown. onnx's checker and lnfuse's own shape code refuse all four, so each is repaired here, on the
-proto, before anything else looks at the model. What cannot be repaired (a real cycle, an IR version the runtime
-cannot read) is refused with the reason.
+declares a contrib domain a model uses without importing it, reads any IR version it was built for, treats a dim of
+-1 as unknown, reads the domain "ai.onnx" as the default one, keeps the last of two initializers of one name, takes
+initializers that are not graph inputs at IR version 3, and runs a model-local function written at another opset
+at the model's. onnx's checker and lnfuse's own shape code refuse all of these, so each is repaired here, on the
+proto, before anything else looks at the model, to a model that computes the same. What cannot be repaired (a real
+cycle, an IR version the runtime cannot read) is refused with the reason.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from collections.abc import Iterator
 import onnx
 
 from lnfuse.errors import InputError
+from lnfuse.index.traversal import every_proto_node
 
 
 def repair(proto: onnx.ModelProto, where: str) -> None:
     """Make ``proto`` (in place) what ORT would run, or raise ``InputError`` with what ORT would refuse."""
     _check_ir_version(proto, where)
+    _default_domain_spelled_once(proto)
+    _functions_at_the_models_opsets(proto)
     for nodes, available, scope in _scopes(proto, where):
         _sort_nodes(nodes, available, scope)
     # listed once, after sorting (a sort copies the nodes, and the bodies they hold with them); on a graph of a
@@ -27,6 +32,8 @@ def repair(proto: onnx.ModelProto, where: str) -> None:
     graphs = [graph for graph, _ in _graphs(proto.graph, frozenset())]
     _declare_missing_domains(proto, graphs)
     _unknown_negative_dims(graphs)
+    _last_initializer_of_each_name(graphs)
+    _initializers_need_not_be_inputs(proto)
 
 
 def _scopes(proto: onnx.ModelProto, where: str) -> Iterator[tuple[object, set[str], str]]:
@@ -70,6 +77,35 @@ def runtime_max_ir_version() -> int | None:
         found = re.search(r"max supported IR version:\s*(\d+)", str(error))
         return int(found.group(1)) if found else None
     return None
+
+
+# -- domains and versions ---------------------------------------------------------------------------------------
+
+def _default_domain_spelled_once(proto: onnx.ModelProto) -> None:
+    """"ai.onnx" is the default domain's other name to ORT; onnx's checker knows only "". Nodes and imports say ""
+    (an import of both names keeps the one of "")."""
+    for node in every_proto_node(proto):
+        if node.domain == "ai.onnx":
+            node.domain = ""
+    for imports in (proto.opset_import, *(f.opset_import for f in proto.functions)):
+        has_default = any(i.domain == "" for i in imports)
+        for i in reversed(range(len(imports))):
+            if imports[i].domain == "ai.onnx":
+                if has_default:
+                    del imports[i]
+                else:
+                    imports[i].domain, has_default = "", True
+
+
+def _functions_at_the_models_opsets(proto: onnx.ModelProto) -> None:
+    """A model-local function may import a domain at another version than the model. ORT inlines it and runs its
+    ops at the model's version, not the function's (a Softmax(axis=1) of a function at opset 11 in a model at 17
+    computes opset 13's Softmax; an op whose inputs changed between the two fails to load); onnx's checker refuses
+    the mix. Importing the model's versions in the function says what ORT computes."""
+    model = {i.domain: i.version for i in proto.opset_import}
+    for function in proto.functions:
+        for i in function.opset_import:
+            i.version = model.get(i.domain, i.version)
 
 
 # -- node order ---------------------------------------------------------------------------------------------------
@@ -218,6 +254,28 @@ def _dims(type_proto: onnx.TypeProto) -> Iterator[onnx.TensorShapeProto.Dimensio
         yield from _dims(getattr(type_proto, kind).elem_type)
     elif kind == "map_type":
         yield from _dims(type_proto.map_type.value_type)
+
+
+# -- initializers -------------------------------------------------------------------------------------------------
+
+def _last_initializer_of_each_name(graphs: list[onnx.GraphProto]) -> None:
+    """Two initializers of one name: ORT uses the one written last (and says so in a warning); keep that one."""
+    for graph in graphs:
+        last = {t.name: i for i, t in enumerate(graph.initializer)}
+        if len(last) == len(graph.initializer):
+            continue
+        kept = [t for i, t in enumerate(graph.initializer) if last[t.name] == i]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+
+
+def _initializers_need_not_be_inputs(proto: onnx.ModelProto) -> None:
+    """Before IR version 4 every initializer had to be a graph input too; ORT reads one that is not as a constant,
+    which is what IR version 4 says it is."""
+    if proto.ir_version < 4:
+        inputs = {i.name for i in proto.graph.input}
+        if any(t.name not in inputs for t in proto.graph.initializer):
+            proto.ir_version = 4
 
 
 # -- graph outputs without a shape --------------------------------------------------------------------------------

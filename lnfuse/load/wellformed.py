@@ -17,6 +17,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from lnfuse.errors import InputError
+from lnfuse.index.traversal import proto_bodies
 
 #: attributes of ONNX ops whose value is a data type (Cast's ``to``, the random ops' ``dtype``, QuantizeLinear's
 #: ``output_dtype``)
@@ -33,6 +34,21 @@ def check(proto: onnx.ModelProto, where: str) -> None:
                          "re-export the model with its outputs")
     _walk(proto, "model", where, text_checked=_all_text_is_utf8(proto))
     _claims_match_initializers(proto.graph, where)
+    _node_names_unique(proto, where)
+
+
+def _node_names_unique(proto: onnx.ModelProto, where: str) -> None:
+    """ONNX Runtime refuses a graph (or function body) in which two nodes share a name; unnamed nodes are fine."""
+    lists = [proto.graph.node, *(f.node for f in proto.functions)]
+    lists += [body.node for body in proto_bodies([n for nodes in lists for n in nodes])]
+    for nodes in lists:
+        seen: set[str] = set()
+        for node in nodes:
+            if node.name in seen:
+                raise InputError(f"{where}: two nodes are named '{node.name}' in one graph; ONNX Runtime refuses "
+                                 "that too; give each node its own name (or none) where the model was made")
+            if node.name:
+                seen.add(node.name)
 
 
 def _all_text_is_utf8(proto: onnx.ModelProto) -> bool:
