@@ -220,6 +220,10 @@ def inverse_std_readers(m: Match, region: list[ir.Node]) -> tuple[list[ir.Value]
             if _is_inverse_std(reader, var_eps, stds) and reader.op_type != "Pow":
                 absorbed.append(reader)
                 exposed.append(reader.outputs[0])
+    if exposed and m.fact("inv_outer") is not None:
+        # computed before the Unsqueeze that restores the reduced axes: the fused op's inverse std keeps them
+        raise Refusal("shape", f"'{exposed[0].name}' (1/sqrt(var + eps)) is read without the reduced axes, where the "
+                      "fused op's inverse standard deviation keeps them")
     return exposed, absorbed
 
 
