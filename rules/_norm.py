@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.index.constants import is_static, static_value
-from lnfuse.match.algebra import view_axes
+from lnfuse.match.algebra import transpose_perm, view_axes
 from lnfuse.match.pattern import Either, Match, Mono, Op, Pattern, Terms, Var, maybe_cast, mono
 from lnfuse.match.rule import GraphContext, Refusal, Replacement
 from ._common import (FLOATS, cast_target, channel_param, check_laid_out, dtype_of, is_widening, node_name,
@@ -212,9 +212,16 @@ def transposed(ctx: GraphContext, b: Boundary, layout: "Layout") -> Boundary:
     permuted (one new node; the graph's own Transposes of x are in the region)."""
     if layout.perm is None:
         return b
-    node = ctx.node("Transpose", [b.x], {"perm": layout.perm}, hint="lnfuse_layout")
+    source, perm = b.x, layout.perm
+    producer = source.producer()
+    if producer is not None and producer.op_type == "Transpose" and transpose_perm(producer) is not None:
+        # x is itself a Transpose (outside the region): one Transpose of its input, or none when they cancel
+        source, perm = producer.inputs[0], [transpose_perm(producer)[i] for i in perm]
+        if perm == list(range(len(perm))):
+            return Boundary(source, b.y, b.dtype, b.region)
+    node = ctx.node("Transpose", [source], {"perm": perm}, hint="lnfuse_layout")
     node.outputs[0].type = b.x.type
-    node.outputs[0].shape = None if b.x.shape is None else ir.Shape([list(b.x.shape)[i] for i in layout.perm])
+    node.outputs[0].shape = None if source.shape is None else ir.Shape([list(source.shape)[i] for i in perm])
     return Boundary(node.outputs[0], b.y, b.dtype, b.region)
 
 
@@ -390,7 +397,7 @@ def check_layouts(m: Match, ctx: GraphContext, axes: tuple[int, ...], stats: dic
         return Layout(None, axes, {})
     nodes = {name: m.node(name) for name in stats if m.node(name) is not None}
     frames = {None: "the output"} | {n.inputs[0]: f"the input of '{node_name(n)}'" for n in nodes.values()}
-    outputs = {n.outputs[0]: name for name, n in nodes.items()}
+    outputs = {n.outputs[0] for n in nodes.values()}
     epsilon_terms = {m.value("var_eps"), m.value("eps")} - {None}
     x = m.value("x")
     rank = rank_of(x)
@@ -414,7 +421,7 @@ def check_layouts(m: Match, ctx: GraphContext, axes: tuple[int, ...], stats: dic
             raise Refusal("shape", f"the ranks around Transpose '{node_name(transposes[0])}' are unknown")
         found = [a + frame_rank - (rank_of(transposes[0].outputs[0]) if transposes else len(found)) for a in found]
         if value in outputs:
-            stat_maps.setdefault(outputs[value], set()).add((frame, tuple(found)))
+            stat_maps.setdefault(value, set()).add((frame, tuple(found)))
         elif value is m.value("gamma") or value is m.value("beta"):
             name = "gamma" if value is m.value("gamma") else "beta"
             if frame is not None or restores:
@@ -440,10 +447,15 @@ def check_layouts(m: Match, ctx: GraphContext, axes: tuple[int, ...], stats: dic
     if sorted(y_map) != list(range(rank)) or rank_of(m.value("y")) != rank:
         raise Refusal("layout", f"x '{x.name}' (rank {rank}) does not fill the norm's output")
     main_axes = None
+    # one node may be two statistics (the numerator's mean and the variance's), each read in its own frame
+    wheres: dict = {}
+    for name, node in nodes.items():
+        wheres.setdefault(node, set()).add(nodes[stats[name]].inputs[0] if stats[name] in nodes else None)
     for name, node in nodes.items():
         where = nodes[stats[name]].inputs[0] if stats[name] in nodes else None
-        placed = [f for f in stat_maps.get(name, ()) if f[0] is where]
-        if len(placed) != len(stat_maps.get(name, ())) or len(placed) > 1:
+        seen_at = stat_maps.get(node.outputs[0], set())
+        placed = [f for f in seen_at if f[0] is where]
+        if any(f[0] not in wheres[node] for f in seen_at) or len(placed) > 1:
             raise Refusal("layout", f"statistic '{node_name(node)}' is read in a layout lnfuse does not follow")
         kept = placed[0][1] if placed else tuple(range(rank))
         inner, outer = x_in(node.inputs[0]), x_in(where)
