@@ -169,7 +169,9 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
     axes = sorted(set(axes))
     keepdims = attr_value(node, "keepdims", 1)
     unsqueeze = m.node(f"{name}_unsqueeze")
-    restores = m.restores(node.outputs[0])
+    # the unit-dim restores among the views seen above the statistic (Transposes above them: ``check_layouts``)
+    restores = [chain[len([n for n in chain if n.op_type == "Transpose"]):] for chain in m.views(node.outputs[0])]
+    restores = [chain for chain in restores if chain]
     if restores:
         # re-broadcast with the ops around it (``algebra._viewed``): each Reshape only inserts unit dims, so the
         # outermost one's shape says where the statistic's rows are
@@ -200,10 +202,11 @@ def agreed_axes(m: Match, names: Iterable[str]) -> tuple[int, ...]:
     (a Reshape inserting unit dims) must sit above one of these statistics: on any other value it changes its rank."""
     names = tuple(names)
     statistics = {m.node(n).outputs[0] for n in names if m.node(n) is not None}
-    for value, chain in m.fact("restored", ()):
-        if value not in statistics:
-            raise Refusal("keepdims", f"Reshape '{chain[0].name}' inserts unit dims into '{value.name}', which is "
-                          "not a statistic of the norm")
+    for _, value, chain in m.viewed():
+        restores = [n for n in chain if n.op_type != "Transpose"]
+        if restores and value not in statistics and not _with_statistic(m, value, statistics):
+            raise Refusal("keepdims", f"Reshape '{restores[0].name}' inserts unit dims into '{value.name}', which "
+                          "is not a statistic of the norm")
     first, axes = None, None
     for name in names:
         if m.node(name) is None:
@@ -214,6 +217,16 @@ def agreed_axes(m: Match, names: Iterable[str]) -> tuple[int, ...]:
                           f"'{m.node(name).name}' reduces {list(found)}")
         first, axes = first or name, found
     return axes
+
+
+def _with_statistic(m: Match, value: ir.Value, statistics: set[ir.Value]) -> bool:
+    """``value`` is var + eps (or its eps) of the same shape as the variance: restoring it restores the variance
+    (which the normal form then sees restored too) and adds eps, one number, on the same rows."""
+    var_eps = m.value("var_eps")
+    if var_eps is None or value not in (var_eps, m.value("eps")):
+        return False
+    return any(s.shape is not None and var_eps.shape is not None and len(s.shape) == len(var_eps.shape) and
+               all(same_dim(a, b) for a, b in zip(s.shape, var_eps.shape)) for s in statistics)
 
 
 def trailing_axes(axes: tuple[int, ...], node: ir.Node) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.index.constants import is_static, static_value
+from lnfuse.match.algebra import transpose_perm, view_axes
 from lnfuse.match.pattern import Either, Match, Mono, Op, Pattern, Terms, Var, maybe_cast, mono
 from lnfuse.match.rule import GraphContext, Refusal, Replacement
 from ._common import (FLOATS, cast_target, channel_param, check_laid_out, dtype_of, is_widening, node_name,
@@ -169,10 +170,12 @@ def _normalized_cast_ok(cast: ir.Node | None, dtype: ir.DataType) -> bool:
 
 
 def params(m: Match, ctx: GraphContext, b: Boundary, k: int, scale: float = 1.0,
-           layout=param_as) -> tuple[ir.Value | None, ir.Value | None]:
+           layout=param_as, laid: dict[str, ir.Value] | None = None) -> tuple[ir.Value | None, ir.Value | None]:
     """gamma and beta in the fused op's layout; a coefficient the normal form found on the normalized value
-    (``-x*k + mean*k``, ``0.5 * d / std``) is folded into a constant gamma."""
-    gamma, beta = m.value("gamma"), m.value("beta")
+    (``-x*k + mean*k``, ``0.5 * d / std``) is folded into a constant gamma. ``laid``: gamma/beta as the graph's
+    Transposes lay them out where they are applied (``check_layouts``)."""
+    laid = laid or {}
+    gamma, beta = laid.get("gamma", m.value("gamma")), laid.get("beta", m.value("beta"))
     if abs(scale - 1) > 1e-6:
         if gamma is not None and static_value(gamma) is None:
             raise Refusal("gamma", f"the normalized value is scaled by {scale:g} and gamma '{gamma.name}' is "
@@ -196,11 +199,30 @@ def scale_input(ctx: GraphContext, gamma: ir.Value | None, x: ir.Value, k: int, 
     return ctx.constant(np.ones(dims, dtype=dtype.numpy()), "lnfuse_unit_scale")
 
 
-def layout_params(m: Match, ctx: GraphContext, b: Boundary, k: int, scale: float, channel: int | None):
+def layout_params(m: Match, ctx: GraphContext, b: Boundary, k: int, scale: float, channel: int | None,
+                  laid: dict[str, ir.Value] | None = None):
     """gamma and beta for a norm over the trailing axes, or over one channel axis."""
     if channel is None:
-        return params(m, ctx, b, k, scale)
-    return params(m, ctx, b, k, scale, lambda c, v, x, _k, d, w: channel_param(c, v, x, channel, d, w))
+        return params(m, ctx, b, k, scale, laid=laid)
+    return params(m, ctx, b, k, scale, lambda c, v, x, _k, d, w: channel_param(c, v, x, channel, d, w), laid)
+
+
+def transposed(ctx: GraphContext, b: Boundary, layout: "Layout") -> Boundary:
+    """The boundary with x in the layout the norm is computed in: ``Transpose(x, perm)`` when the graph reads x
+    permuted (one new node; the graph's own Transposes of x are in the region)."""
+    if layout.perm is None:
+        return b
+    source, perm = b.x, layout.perm
+    producer = source.producer()
+    if producer is not None and producer.op_type == "Transpose" and transpose_perm(producer) is not None:
+        # x is itself a Transpose (outside the region): one Transpose of its input, or none when they cancel
+        source, perm = producer.inputs[0], [transpose_perm(producer)[i] for i in perm]
+        if perm == list(range(len(perm))):
+            return Boundary(source, b.y, b.dtype, b.region)
+    node = ctx.node("Transpose", [source], {"perm": perm}, hint="lnfuse_layout")
+    node.outputs[0].type = b.x.type
+    node.outputs[0].shape = None if source.shape is None else ir.Shape([list(source.shape)[i] for i in perm])
+    return Boundary(node.outputs[0], b.y, b.dtype, b.region)
 
 
 def inverse_std_readers(m: Match, region: list[ir.Node]) -> tuple[list[ir.Value], list[ir.Node]]:
@@ -349,3 +371,137 @@ def new_nodes(values) -> list[ir.Node]:
         if value.producer() is not None and value.producer().graph is None:
             visit(value.producer())
     return order
+
+
+# ---- layouts: norms the graph computes in a transposed layout ---------------------------------------------------
+# The normal form reads through Transposes (``algebra._viewed``), so x, gamma and the statistics may each be seen
+# through permutations: ``T(w * h) * rsqrt(mean(T(h * h)) + eps)`` (jax2tf's vmap) is an RMS norm of T(h). The
+# layouts are axis maps (each axis of a value -> its axis in a frame): the frame of the norm's output, and the
+# frame of each statistic's input. The norm is one norm of one tensor when x is laid out alike wherever it is read,
+# and the reduced axes are mapped through the permutations to the axes the fused op normalizes.
+
+@dataclass
+class Layout:
+    """x in the layout of the norm's output: the fused op reads ``Transpose(x, perm)`` (``perm`` None: x itself)
+    and normalizes ``axes`` (negative) of it; ``params``: gamma/beta as laid out where the graph multiplies or adds
+    them, when the graph transposed them."""
+
+    perm: list[int] | None
+    axes: tuple[int, ...]
+    params: dict[str, ir.Value]
+
+
+def check_layouts(m: Match, ctx: GraphContext, axes: tuple[int, ...], stats: dict[str, str | None],
+                  main: str) -> Layout:
+    """Prove that x is normalized in one layout, and say which. ``axes``: what ``agreed_axes`` proved, in each
+    statistic's input; ``stats``: each statistic's name -> the statistic in whose input frame it is read (None: the
+    output's frame); ``main``: the statistic the normalized axes are read from."""
+    seen = [(frame, value, _split(chain)) for frame, value, chain in m.viewed()]
+    if not any(transposes for _, _, (transposes, _) in seen):
+        return Layout(None, axes, {})
+    nodes = {name: m.node(name) for name in stats if m.node(name) is not None}
+    frames = {None: "the output"} | {n.inputs[0]: f"the input of '{node_name(n)}'" for n in nodes.values()}
+    outputs = {n.outputs[0] for n in nodes.values()}
+    epsilon_terms = {m.value("var_eps"), m.value("eps")} - {None}
+    x = m.value("x")
+    rank = rank_of(x)
+    if rank is None:
+        raise Refusal("shape", f"the rank of '{x.name}' is unknown, so its transposed layouts cannot be compared")
+    x_maps: dict = {}
+    stat_maps: dict = {}
+    params: dict[str, ir.Value] = {}
+    for frame, value, (transposes, restores) in seen:
+        if frame not in frames:
+            if transposes:
+                raise Refusal("layout", f"Transpose '{node_name(transposes[0])}' moves '{value.name}' inside "
+                              "an op lnfuse does not follow layouts through")
+            continue
+        if value in epsilon_terms:
+            continue  # the variance's own views carry these (eps is one number wherever it lands)
+        placed = restores[0].outputs[0] if restores else value
+        found = view_axes(transposes, rank_of(placed) or 0)
+        frame_rank = rank_of(frame if frame is not None else m.value("y"))
+        if found is None or frame_rank is None or frame_rank < len(found):
+            raise Refusal("shape", f"the ranks around Transpose '{node_name(transposes[0])}' are unknown")
+        found = [a + frame_rank - (rank_of(transposes[0].outputs[0]) if transposes else len(found)) for a in found]
+        if value in outputs:
+            stat_maps.setdefault(value, set()).add((frame, tuple(found)))
+        elif value is m.value("gamma") or value is m.value("beta"):
+            name = "gamma" if value is m.value("gamma") else "beta"
+            if frame is not None or restores:
+                raise Refusal(name, f"{name} '{value.name}' is moved inside the norm's statistics")
+            params[name] = _laid_out(ctx, value, found, frame_rank, name)
+        else:
+            if rank_of(value) != rank or restores:
+                raise Refusal("layout", f"'{value.name}' is read through Transpose '{node_name(transposes[0])}' "
+                              f"and is not laid out like x '{x.name}'")
+            x_maps.setdefault(frame, set()).add(tuple(found))
+    for frame, maps in x_maps.items():
+        if len(maps) > 1:
+            raise Refusal("layout", f"x '{x.name}' is read in {frames[frame]} through permutations that disagree: "
+                          f"{' vs '.join(str(list(p)) for p in sorted(maps))}")
+
+    def x_in(frame) -> tuple[int, ...]:
+        if frame in x_maps:
+            return next(iter(x_maps[frame]))
+        base = rank_of(frame if frame is not None else m.value("y"))
+        return tuple(range(base - rank, base)) if base is not None and base >= rank else ()
+
+    y_map = x_in(None)
+    if sorted(y_map) != list(range(rank)) or rank_of(m.value("y")) != rank:
+        raise Refusal("layout", f"x '{x.name}' (rank {rank}) does not fill the norm's output")
+    main_axes = None
+    # one node may be two statistics (the numerator's mean and the variance's), each read in its own frame
+    wheres: dict = {}
+    for name, node in nodes.items():
+        wheres.setdefault(node, set()).add(nodes[stats[name]].inputs[0] if stats[name] in nodes else None)
+    for name, node in nodes.items():
+        where = nodes[stats[name]].inputs[0] if stats[name] in nodes else None
+        seen_at = stat_maps.get(node.outputs[0], set())
+        placed = [f for f in seen_at if f[0] is where]
+        if any(f[0] not in wheres[node] for f in seen_at) or len(placed) > 1:
+            raise Refusal("layout", f"statistic '{node_name(node)}' is read in a layout lnfuse does not follow")
+        kept = placed[0][1] if placed else tuple(range(rank))
+        inner, outer = x_in(node.inputs[0]), x_in(where)
+        # x's axis j is axis inner[j] of the statistic's input, which lands on axis kept[inner[j]] where the
+        # statistic is read: x must be there at outer[j], in every position
+        composed = tuple(kept[a] for a in inner) if len(kept) == rank and len(inner) == rank else None
+        if composed != outer:
+            raise Refusal("layout", f"statistic '{node_name(node)}' reads x '{x.name}' permuted by "
+                          f"{_perm(inner)} and is read back permuted by {_perm(kept)}, where x itself is read "
+                          f"permuted by {_perm(outer)}: the norm's rows are not x's rows")
+        if name == main:
+            main_axes = tuple(sorted(kept[a % rank] - rank for a in axes))
+    perm = [y_map.index(i) for i in range(rank)]
+    return Layout(None if perm == list(range(rank)) else perm, main_axes if main_axes is not None else axes, params)
+
+
+def _perm(axes: tuple[int, ...]) -> list[int]:
+    """An axis map as a Transpose's perm (output axis i is input axis perm[i])."""
+    return [list(axes).index(i) for i in range(len(axes))] if sorted(axes) == list(range(len(axes))) else list(axes)
+
+
+def _split(chain: tuple[ir.Node, ...]) -> tuple[tuple[ir.Node, ...], tuple[ir.Node, ...]]:
+    """(Transposes, unit-dim restores): the restores must be the innermost views (a statistic's dropped axes put back,
+    then the whole moved)."""
+    transposes = tuple(n for n in chain if n.op_type == "Transpose")
+    restores = chain[len(transposes):]
+    if any(n.op_type == "Transpose" for n in restores):
+        raise Refusal("layout", f"Reshape '{node_name(restores[0])}' inserts unit dims above Transpose: a statistic's "
+                      "axes are restored only before it is moved")
+    return transposes, restores
+
+
+def _laid_out(ctx: GraphContext, value: ir.Value, axes: list[int], rank: int, what: str) -> ir.Value:
+    """A constant gamma/beta moved by the graph's Transposes, as the constant it is where it is applied: axis j of
+    ``value`` at axis ``axes[j]`` of a rank-``rank`` operand."""
+    array = static_value(value)
+    if array is None:
+        raise Refusal(what, f"{what} '{value.name}' is transposed at run time; only a constant is laid out anew")
+    if array.ndim != len(axes):
+        raise Refusal(what, f"{what} '{value.name}' has rank {array.ndim}, not the rank of its Transpose")
+    order = sorted(range(len(axes)), key=lambda j: axes[j])
+    shape = [1] * rank
+    for j in order:
+        shape[axes[j]] = array.shape[j]
+    return ctx.constant(np.transpose(array, order).reshape(shape), f"{value.name}_laid_out")

@@ -17,9 +17,9 @@ from lnfuse.match.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, SUMS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
                       check_mean_scale, check_statistic_precision, epsilon, kept_dims, mean_of_square, mean_over,
                       node_name, param_as, rank_of, read_outside, readers_outside, reduced_axes, square, trailing_axes)
-from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
-                    expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
-                    stash_type, var_plus_eps)
+from ._norm import (Boundary, Layout, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse,
+                    check_layouts, check_scales, expose, finish, first_placement, inverse_sqrt, inverse_std_readers,
+                    layout_params, scale_input, stash_type, transposed, var_plus_eps)
 
 
 @functools.cache
@@ -116,7 +116,13 @@ class LayerNorm(Rule):
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
         if m.node("bn") is not None:
             return _build_batch_norm(m, ctx)
-        axes = agreed_axes(m, ("mean", "vmean", "var"))
+        # the axes in the layout x is normalized in, which the graph may reach through Transposes: the variance's
+        # own mean is read inside the squares (two-pass) or beside them (E[x²] - E[x]²)
+        frames = {"mean": None, "var": None, "vmean": "var" if m.fact("msq_scale") is None else None}
+        layout = check_layouts(m, ctx, agreed_axes(m, ("mean", "vmean", "var")), frames, "mean")
+        if (layout.perm is not None or layout.params) and (m.node("unflatten") or m.node("rms")):
+            raise Refusal("layout", "a flattened or RMS-of-centred norm read through Transposes")
+        axes = layout.axes
         channel = channel_axis(axes, m.node("mean"))
         k = 1 if channel is not None else trailing_axes(axes, m.node("mean"))
         check_centring(m)
@@ -129,13 +135,14 @@ class LayerNorm(Rule):
         scale = check_scales(m, ("scale_x",)) * float(m.fact("d_x", 1.0))
         if scale < 0:
             raise Refusal("operands", "the normalized value is negated: Sub computes mean - x (operands swapped)")
-        return first_placement(m, lambda b: self._write(m, ctx, b, k, eps, scale, channel))
+        return first_placement(m, lambda b: self._write(m, ctx, b, k, eps, scale, channel, layout))
 
     def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float, scale: float,
-               channel: int | None) -> Replacement:
+               channel: int | None, layout: Layout) -> Replacement:
         op_type = _choose_op(ctx, b.dtype)
         check_epsilon_fits(eps, b.dtype)
         region = absorb_type_reads(list(b.region))
+        b = transposed(ctx, b, layout)
         x, y = b.x, b.y
         if m.node("unflatten") is not None:
             if abs(scale - 1) > 1e-6:
@@ -144,7 +151,7 @@ class LayerNorm(Rule):
                 raise Refusal("axes", f"the flattened norm reduces {k} axes of the 2-D Flatten output, not its last")
             x, y, k, gamma, beta = _unflatten(m, ctx, b)
         else:
-            gamma, beta = layout_params(m, ctx, b, k, scale, channel)
+            gamma, beta = layout_params(m, ctx, b, k, scale, channel, layout.params)
         mean = kept_dims(m, "mean")
         exposed_mean = [mean] if read_outside(mean, region) else []
         flattened = m.node("unflatten") is not None
@@ -155,6 +162,9 @@ class LayerNorm(Rule):
                           "and the fused op's Mean keeps them")
         exposed_inv, absorbed = inverse_std_readers(m, region)
         region += absorbed
+        if layout.perm is not None and (exposed_mean or exposed_inv):
+            raise Refusal("intermediate", "the statistics are read elsewhere in the layout the graph computed them "
+                          "in, and the fused op computes them in x's")
         if flattened:
             _only_reshaped(exposed_mean + exposed_inv, region)
         n_out = 3 if exposed_inv else 2 if exposed_mean else 1

@@ -14,9 +14,9 @@ from lnfuse.match.pattern import Match, Var, maybe_cast
 from lnfuse.match.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
                       check_mean_scale, check_statistic_precision, epsilon, mean_of_square, node_name, trailing_axes)
-from ._norm import (Boundary, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse, check_scales,
-                    expose, finish, first_placement, inverse_sqrt, inverse_std_readers, layout_params, scale_input,
-                    stash_type, var_plus_eps)
+from ._norm import (Boundary, Layout, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse,
+                    check_layouts, check_scales, expose, finish, first_placement, inverse_sqrt, inverse_std_readers,
+                    layout_params, scale_input, stash_type, transposed, var_plus_eps)
 
 
 @functools.cache
@@ -53,7 +53,9 @@ class RmsNorm(Rule):
                     "-1/2 from it"),)
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
-        axes = agreed_axes(m, ("var",))
+        # the axes in the layout x is normalized in, which the graph may reach through Transposes
+        layout = check_layouts(m, ctx, agreed_axes(m, ("var",)), {"var": None}, "var")
+        axes = layout.axes
         channel = channel_axis(axes, m.node("var"))
         k = 1 if channel is not None else trailing_axes(axes, m.node("var"))
         check_mean_scale(float(m.fact("var_scale", 1.0)), m, "var", "the mean square", "variance")
@@ -63,15 +65,19 @@ class RmsNorm(Rule):
         check_statistic_precision(m, "var")
         check_inner_casts(m, ("sq_cast", "d_cast"))
         scale = check_scales(m, ("scale_x",))
-        return first_placement(m, lambda b: self._write(m, ctx, b, k, eps, scale, channel))
+        return first_placement(m, lambda b: self._write(m, ctx, b, k, eps, scale, channel, layout))
 
     def _write(self, m: Match, ctx: GraphContext, b: Boundary, k: int, eps: float, scale: float,
-               channel: int | None) -> Replacement:
+               channel: int | None, layout: Layout) -> Replacement:
         op_type = _choose_op(ctx, b.dtype)
         check_epsilon_fits(eps, b.dtype)
         region = absorb_type_reads(list(b.region))
-        gamma, _ = layout_params(m, ctx, b, k, scale, channel)
+        b = transposed(ctx, b, layout)
+        gamma, _ = layout_params(m, ctx, b, k, scale, channel, layout.params)
         exposed_inv, absorbed = inverse_std_readers(m, region)
+        if exposed_inv and layout.perm is not None:
+            raise Refusal("intermediate", f"'{exposed_inv[0].name}' (1/rms) is read elsewhere in the layout the "
+                          "graph computed it in, and the fused op computes it in x's")
         if exposed_inv and (op_type == "RMSNormalization" or channel is not None):
             raise Refusal("intermediate", f"'{exposed_inv[0].name}' (1/rms) is read elsewhere and "
                           f"{op_type} does not output it here")

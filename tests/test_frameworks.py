@@ -55,8 +55,6 @@ EMBED = {"EmbedLayerNormalization": 1}
 
 EQX_EMBED = ("jax2onnx's vmapped Equinox lookups: the LayerNorm fuses (constant-row guard, float64 variance), the "
              "embedding rule forms only a SkipLayerNormalization")
-JAX2TF_STATS = ("ReduceSum(keepdims=0) × 1/N re-broadcast by Reshape + Expand to a run-time shape "
-                "(Concat(Slice(Shape(x)), …) → Cast)")
 MS_EMBED = ("MindSpore's lookups Reshape(ids, [-1]) → Gather → Reshape [2, 8, 32]: the LayerNorm fuses (ReduceSumSquare "
             "variance), the embedding rule forms only a SkipLayerNormalization")
 PADDLE_IDENTITY = "the sum reaches the norm through Identity → Identity"
@@ -80,8 +78,8 @@ EXPECTED: dict[str, Case] = {
     "jax2tf/flax_residual_layernorm": Case(SKIP),
     "jax2tf/flax_indexed_embedding_layernorm": Case(EMBED),
     "jax2tf/flax_channels_first": Case(LN),
-    "jax2tf/eqx_rmsnorm": Case(SLN, f"Equinox RMSNorm through jax2tf: vmap's Transpose(perm 1, 2, 0) between the "
-                                    f"weight and the statistics, {JAX2TF_STATS}", centred=False),
+    # vmap's Transpose(perm 1, 2, 0) between the weight and the statistics: an RMS norm of Transpose(h)
+    "jax2tf/eqx_rmsnorm": Case(SLN, centred=False),
     # ---- tf2onnx 1.17 from Keras 3.15 (opset 17)
     "keras3/layernorm": Case(LN),
     "keras3/rmsnorm": Case(SLN, centred=False),

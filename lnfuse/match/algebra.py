@@ -33,9 +33,9 @@ CHAIN = frozenset({"Add", "Sub", "Neg", "Mul", "Div", "Reciprocal", "Pow", "Sqrt
 #: >= 0, and Where whose condition is known or implies the other branch equals the one taken
 GUARDS = frozenset({"Max", "Relu", "Clip", "Where"})
 #: ops that only move elements (``_viewed``): an Expand to its input's own shape, a Reshape that only inserts unit
-#: dims. (An Unsqueeze after the inverse root is the rules' own form, ``inverse_sqrt``: it restores the axes of a
-#: variance it does not read directly.)
-VIEWS = frozenset({"Expand", "Reshape"})
+#: dims, a Transpose. (An Unsqueeze after the inverse root is the rules' own form, ``inverse_sqrt``: it restores the
+#: axes of a variance it does not read directly.)
+VIEWS = frozenset({"Expand", "Reshape", "Transpose"})
 #: reductions the proofs of ``_guarded`` read (what each computes per slice of the reduced axes)
 _REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceMin", "ReduceMax"})
 #: ops whose result is a multiple of a power of one input (seen through when a factor is matched)
@@ -55,9 +55,11 @@ class Factor:
     value: ir.Value
     exponent: Fraction
     twins: tuple[ir.Value, ...] = ()
-    #: Reshapes/Unsqueezes above this factor that only insert unit dims, outermost first: the factor stands for
-    #: ``restores(value) ** exponent`` (the keepdims=0 statistics that jax2tf and jnp re-broadcast as a whole)
-    restores: tuple[ir.Node, ...] = ()
+    #: ops above this factor that only move its elements, outermost first: Reshapes that only insert unit dims (the
+    #: keepdims=0 statistics that jax2tf and jnp re-broadcast as a whole) and Transposes (jax2tf's vmap computes in
+    #: a permuted layout). The factor stands for ``views(value) ** exponent``; ``view_axes`` says where each axis
+    #: of value lands, and the rules prove the layouts agree.
+    views: tuple[ir.Node, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -258,10 +260,27 @@ def _expand(value: ir.Value, walk: _Walk) -> list[Monomial]:
     result = _expand_node(node, walk)
     if result is None or len(result) > _MAX_TERMS:
         return _leaf(value)
-    if node not in walk.nodes:
+    if node not in walk.nodes and not _only_transposed(result, value):
         walk.nodes.append(node)
     walk.done[value] = result
     return result
+
+
+def _only_transposed(terms: list[Monomial], value: ir.Value) -> bool:
+    """``value`` is Transposes of one leaf, read straight off it: the matcher takes either the value itself or the
+    leaf under the Transposes (``pattern._layouts``), and adds the Transposes to the region only in the second case,
+    so they are not read here."""
+    if len(terms) != 1 or terms[0].coef != 1 or len(terms[0].factors) != 1:
+        return False
+    (f,) = terms[0].factors
+    if f.exponent != 1 or not f.views:
+        return False
+    top = f.value
+    for node in reversed(f.views):
+        if node.op_type != "Transpose" or node.inputs[0] is not top:
+            return False
+        top = node.outputs[0]
+    return top is value
 
 
 def _expand_node(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
@@ -345,7 +364,7 @@ def _power(terms: list[Monomial], p: Fraction) -> list[Monomial] | None:
     if not all(power_ok(f.exponent, p) for f in t.factors):
         return None
     coef = float(t.coef ** float(p)) if p.denominator != 1 else float(Fraction(t.coef) ** p)
-    return [Monomial(coef, tuple(Factor(f.value, f.exponent * p, f.twins, f.restores) for f in t.factors))]
+    return [Monomial(coef, tuple(Factor(f.value, f.exponent * p, f.twins, f.views) for f in t.factors))]
 
 
 def _merge(factors: tuple[Factor, ...]) -> tuple[Factor, ...] | None:
@@ -354,7 +373,7 @@ def _merge(factors: tuple[Factor, ...]) -> tuple[Factor, ...] | None:
     merged: list[Factor] = []
     keys: list[tuple] = []
     for f in factors:
-        k = (key(f.value), tuple(id(r) for r in f.restores))
+        k = (key(f.value), _views_key(f.views))
         if k in keys:
             i = keys.index(k)
             old = merged[i]
@@ -362,7 +381,7 @@ def _merge(factors: tuple[Factor, ...]) -> tuple[Factor, ...] | None:
                 return None
             twins = old.twins + ((f.value,) if f.value is not old.value and f.value not in old.twins else ()) + \
                 tuple(t for t in f.twins if t not in old.twins)
-            merged[i] = Factor(old.value, old.exponent + f.exponent, twins, old.restores)
+            merged[i] = Factor(old.value, old.exponent + f.exponent, twins, old.views)
         else:
             keys.append(k)
             merged.append(f)
@@ -430,20 +449,87 @@ def _viewed(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
     inserts unit dims (``Reshape(ReduceSum(x, keepdims=0), [B, S, 1])``: the axes a statistic dropped, restored)
     commutes with the elementwise ops under it, so its input's monomials are kept, each factor marked as restored by
     it; the rules prove a restore puts back exactly the axes its statistic reduced. Every factor must have the
-    Reshape's input shape: a factor that broadcasts under it would be reshaped differently alone."""
+    Reshape's input shape: a factor that broadcasts under it would be reshaped differently alone.
+
+    A Transpose commutes with elementwise ops too (``T(w * h) = T(w) * T(h)``) when every factor has the
+    Transpose's rank: broadcasting pairs axes by position, and permuting operands of one rank permutes the pairs.
+    A factor of lower rank would be padded on the left first, which a permutation of its own axes does not say.
+    The factors are marked with the Transpose; the rules compose the permutations and prove the norm's layouts
+    agree (``rules/_norm.py``, ``check_layouts``)."""
     source = node.inputs[0]
     if source is None:
         return None
     if node.op_type == "Expand":
         return _expand(source, walk) if _same_shape(node.outputs[0], source) else None
-    if not _inserts_unit_dims(node):
-        return None
-    terms = _expand(source, walk)
-    for t in terms:
-        if not all(_same_shape(f.value, source) for f in t.factors):
+    if node.op_type == "Transpose":
+        if transpose_perm(node) is None:
             return None
-    return [Monomial(t.coef, tuple(Factor(f.value, f.exponent, f.twins, (node,) + f.restores) for f in t.factors))
+        terms = _expand(source, walk)
+        rank = len(source.shape)
+        if not all(f.value.shape is not None and len(f.value.shape) == rank for t in terms for f in t.factors):
+            return None
+    else:
+        if not _inserts_unit_dims(node):
+            return None
+        terms = _expand(source, walk)
+        for t in terms:
+            if not all(_same_shape(f.value, source) for f in t.factors):
+                return None
+    return [Monomial(t.coef, tuple(Factor(f.value, f.exponent, f.twins, (node,) + f.views) for f in t.factors))
             for t in terms]
+
+
+def transpose_perm(node: ir.Node) -> list[int] | None:
+    """The permutation of a Transpose whose input rank is known (the default reverses the axes): output axis i is
+    input axis perm[i]. None when it is not a permutation of the input's axes."""
+    source = node.inputs[0] if node.inputs else None
+    if source is None or source.shape is None or not _is_onnx(node):
+        return None
+    rank = len(source.shape)
+    attr = node.attributes.get("perm")
+    if attr is not None and attr.is_ref():
+        return None
+    perm = list(range(rank))[::-1] if attr is None else [int(a) for a in attr.value]
+    return perm if sorted(perm) == list(range(rank)) else None
+
+
+def view_axes(views: tuple[ir.Node, ...], rank: int) -> list[int] | None:
+    """Where each axis of a factor of rank ``rank`` lands after ``views`` (outermost first): a Transpose moves input
+    axis ``perm[i]`` to axis i, a unit-dim Reshape keeps the order and skips the inserted dims, and between two views
+    of different ranks the inner result broadcasts onto the outer input aligned on the right. None when a view's
+    ranks are unknown."""
+    axes = list(range(rank))
+    for node in reversed(views):
+        source, out = node.inputs[0], node.outputs[0]
+        if source.shape is None or out.shape is None or len(source.shape) < rank:
+            return None
+        axes = [a + len(source.shape) - rank for a in axes]
+        step = _view_step(node)
+        if step is None:
+            return None
+        axes, rank = [step[a] for a in axes], len(out.shape)
+    return axes
+
+
+def _view_step(node: ir.Node) -> list[int] | None:
+    """Input axis -> output axis of one view."""
+    if node.op_type == "Transpose":
+        perm = transpose_perm(node)
+        return None if perm is None else [perm.index(a) for a in range(len(perm))]
+    have, want = list(node.inputs[0].shape), list(node.outputs[0].shape)
+    step, i = [], 0
+    for j, d in enumerate(want):
+        if i < len(have) and _dims_equal(d, have[i]):
+            step.append(j)
+            i += 1
+    return step if i == len(have) else None
+
+
+def _views_key(views: tuple[ir.Node, ...]) -> tuple:
+    """Views that move elements alike: Transposes by their permutation (twin Transposes of one value are one
+    factor), other views by node."""
+    return tuple(("Transpose", tuple(transpose_perm(n) or ())) if n.op_type == "Transpose" else ("node", id(n))
+                 for n in views)
 
 
 def _inserts_unit_dims(node: ir.Node) -> bool:
@@ -558,7 +644,7 @@ def _centred(terms: list[Monomial], static: dict | None) -> tuple[tuple, tuple] 
         if len(x_term.factors) != 1 or len(m_term.factors) != 1 or x_term.coef != 1:
             continue
         (xf,), (mf,) = x_term.factors, m_term.factors
-        if xf.exponent != 1 or xf.restores:
+        if xf.exponent != 1 or xf.views:
             continue
         found = _moment(mf, m_term.coef, static)
         if found is not None and found[1] == 1 and found[2] == Fraction(1) and abs(found[3] + 1) <= 1e-6 and \
@@ -629,7 +715,7 @@ def _reduction(node: ir.Node | None, static: dict | None) -> tuple[str, tuple, i
 
 
 def _moment(factor: Factor, coef: float, static: dict | None) -> tuple | None:
-    """``coef * factor`` as ``c * E[b ** p] ** e`` over some axes: (key of b, p, e, c, (axes, keepdims, restores)),
+    """``coef * factor`` as ``c * E[b ** p] ** e`` over some axes: (key of b, p, e, c, (axes, keepdims, views)),
     seen through the scalings and powers that compute the factor (``ReduceSum(x) / N`` is the mean when N is the
     count of the reduced elements)."""
     value, exponent = factor.value, factor.exponent
@@ -662,10 +748,10 @@ def _moment(factor: Factor, coef: float, static: dict | None) -> tuple | None:
         power = Fraction(2)
     else:
         inner = _expand(summand, _Walk(_chain(summand, static), static))
-        if len(inner) == 1 and inner[0].coef == 1 and len(inner[0].factors) == 1 and not inner[0].factors[0].restores:
+        if len(inner) == 1 and inner[0].coef == 1 and len(inner[0].factors) == 1 and not inner[0].factors[0].views:
             base, power = inner[0].factors[0].value, inner[0].factors[0].exponent
     # the reduction is count * E[...]: the coefficient of E[...] ** e
-    return key(base), power, exponent, coef * float(count) ** float(exponent), (axes, keepdims, factor.restores)
+    return key(base), power, exponent, coef * float(count) ** float(exponent), (axes, keepdims, factor.views)
 
 
 def nonnegative(terms: list[Monomial], static: dict | None = None) -> bool:

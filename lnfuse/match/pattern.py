@@ -29,6 +29,8 @@ from lnfuse.match import algebra
 from lnfuse.index.constants import static_value
 
 COMMUTATIVE = frozenset({"Add", "Mul"})
+#: ops whose result has each element where their input has it: what is matched below them is in their frame
+FRAME_KEEPING = frozenset({"Cast", "Identity"})
 #: the op types ``noop_source`` may find handing their input on unchanged (each is then checked)
 NOOP_OPS = frozenset({"Identity", "Cast", "Reshape", "Dropout"})
 #: how many no-ops one ``ThroughNoOps`` reads through: exporters write one or two; a chain of thousands in front of
@@ -57,6 +59,10 @@ class Match:
     facts: Mapping[str, object] = field(default_factory=dict)
     #: what the pass already worked out about the (unchanging) graph; not a binding
     cache: algebra.Cache | None = field(default=None, compare=False, repr=False)
+    #: where the value being matched sits: (frame, views). The frame is the value the pattern was matched from
+    #: (None) or the input of the op whose pattern is being matched below (a reduction's, say); the views (outermost
+    #: first) place the value in it. Kept through Terms, Casts and Identities, which move no element.
+    frame: tuple = (None, ())
 
     @functools.cached_property
     def nodes(self) -> tuple[ir.Node, ...]:
@@ -74,26 +80,37 @@ class Match:
         return tuple(seen)
 
     def bind(self, name: str, value: ir.Value) -> "Match":
-        return Match({**self.values, name: value}, self.named_nodes, self.trail, self.facts, self.cache)
+        return Match({**self.values, name: value}, self.named_nodes, self.trail, self.facts, self.cache, self.frame)
 
     def add_node(self, node: ir.Node, name: str | None) -> "Match":
         named = {**self.named_nodes, name: node} if name and name not in self.named_nodes else self.named_nodes
-        return Match(self.values, named, Trail(node, self.trail), self.facts, self.cache)
+        return Match(self.values, named, Trail(node, self.trail), self.facts, self.cache, self.frame)
 
     def add_nodes(self, nodes: "Sequence[ir.Node] | Trail | None") -> "Match":
         if not nodes:
             return self
-        return Match(self.values, self.named_nodes, Trail(nodes, self.trail), self.facts, self.cache)
+        return Match(self.values, self.named_nodes, Trail(nodes, self.trail), self.facts, self.cache, self.frame)
 
     def with_fact(self, name: str, value: object) -> "Match":
-        return Match(self.values, self.named_nodes, self.trail, {**self.facts, name: value}, self.cache)
+        return Match(self.values, self.named_nodes, self.trail, {**self.facts, name: value}, self.cache, self.frame)
+
+    def in_frame(self, frame: tuple) -> "Match":
+        return self if frame == self.frame else \
+            Match(self.values, self.named_nodes, self.trail, self.facts, self.cache, frame)
 
     def fact(self, name: str, default: object = None) -> object:
         return self.facts.get(name, default)
 
-    def restores(self, value: ir.Value) -> list[tuple[ir.Node, ...]]:
-        """The unit-dim restores (outermost first) the normal form saw above ``value``, one tuple per factor."""
-        return [nodes for v, nodes in self.fact("restored", ()) if v is value]
+    def views(self, value: ir.Value) -> list[tuple[ir.Node, ...]]:
+        """The views (unit-dim restores and Transposes, outermost first) the normal form saw above ``value``, one
+        tuple per factor, from the frame each was matched in (``viewed``)."""
+        return [nodes for _, v, nodes in self.viewed() if v is value]
+
+    def viewed(self) -> tuple[tuple[ir.Value | None, ir.Value, tuple[ir.Node, ...]], ...]:
+        """Every factor matched under views: (frame, value, views). ``views`` place value in the frame: the value
+        the pattern was matched from (None), or the input of the op whose pattern read it (a reduction's input, say),
+        composed through the Terms and Casts between (``_assign_factors``)."""
+        return self.fact("viewed", ())
 
     def value(self, name: str) -> ir.Value | None:
         return self.values.get(name)
@@ -182,8 +199,14 @@ class Op(Pattern):
         orders = [list(self.inputs)]
         if node.op_type in COMMUTATIVE and len(self.inputs) == 2 and self.inputs[0] is not self.inputs[1]:
             orders.append(orders[0][::-1])
+        if node.op_type in FRAME_KEEPING:
+            for order in orders:
+                yield from _match_all(actual, order, m)
+            return
+        # each input of any other op is a frame of its own (a reduction's input is not laid out like its result)
         for order in orders:
-            yield from _match_all(actual, order, m)
+            for found in _match_all(actual, order, m, framed=True):
+                yield found.in_frame(m.frame)
 
 
 class Either(Pattern):
@@ -279,6 +302,7 @@ def _assign_factors(pattern: list, factors: list, m: Match, coef: float) -> Iter
         yield m, coef
         return
     (leaf, exponent), rest = pattern[0], pattern[1:]
+    frame, outer = m.frame
     for i, factor in enumerate(factors):
         for value, power, nodes, c in _views(factor.value, factor.exponent, m.cache):
             if isinstance(exponent, Fraction):
@@ -291,13 +315,33 @@ def _assign_factors(pattern: list, factors: list, m: Match, coef: float) -> Iter
                     continue
                 bound = m.with_fact(exponent, power)
             bound = bound.add_nodes(nodes)
-            if factor.restores:
-                # a statistic re-broadcast as a whole (``algebra._viewed``): the rule proves each restore puts back
-                # exactly the axes it reduced, and refuses restores on anything else (``restored``)
-                bound = bound.with_fact("restored", bound.fact("restored", ()) + ((value, factor.restores),))
-            for found in leaf.match(value, bound):
-                for twinned in _match_twins(leaf, factor.twins, found):
-                    yield from _assign_factors(rest, factors[:i] + factors[i + 1:], twinned, coef * c)
+            for seen, views in _layouts(value, factor.views):
+                inner = bound
+                if outer or views:
+                    # the factor is ``views(seen)`` in this frame, and what its pattern matches below is in the
+                    # frame views(seen) lands in: the rule composes them (``rules/_norm.py``, ``check_layouts``)
+                    # and proves restores put back exactly the reduced axes
+                    inner = bound.with_fact("viewed", bound.viewed() + ((frame, seen, outer + views),))
+                    inner = inner.in_frame((frame, outer + views)).add_nodes(views)
+                for found in leaf.match(seen, inner):
+                    found = found.in_frame(m.frame)
+                    for twinned in _match_twins(leaf, factor.twins, found):
+                        yield from _assign_factors(rest, factors[:i] + factors[i + 1:], twinned, coef * c)
+
+
+def _layouts(value: ir.Value, views: tuple[ir.Node, ...]) -> Iterator[tuple[ir.Value, tuple[ir.Node, ...]]]:
+    """A factor under views, as (value, views) to match: first as the value the graph computes, when the views are
+    Transposes read straight off it (``Transpose(x)`` is the value the graph names, as it always was), then as the
+    value under the views."""
+    top = value
+    for node in reversed(views):
+        if node.op_type != "Transpose" or node.inputs[0] is not top:
+            break
+        top = node.outputs[0]
+    else:
+        if views:
+            yield top, ()
+    yield value, views
 
 
 #: how many scalings and powers a factor is seen through: real spellings take a few (Sqrt, Reciprocal, a 1/N); past
@@ -442,16 +486,17 @@ def _same_computation(node: ir.Node, twin: ir.Node, matched_inputs: int) -> bool
     return mine == theirs
 
 
-def _match_all(values: list, patterns: list, m: Match) -> Iterator[Match]:
+def _match_all(values: list, patterns: list, m: Match, framed: bool = False) -> Iterator[Match]:
+    """Each value matched by its pattern; ``framed``: each in the frame of its own value."""
     if not patterns:
         yield m
         return
     head = patterns[0]
     if head is None:
-        yield from _match_all(values[1:], patterns[1:], m)
+        yield from _match_all(values[1:], patterns[1:], m, framed)
         return
-    for found in head.match(values[0], m):
-        yield from _match_all(values[1:], patterns[1:], found)
+    for found in head.match(values[0], m.in_frame((values[0], ())) if framed else m):
+        yield from _match_all(values[1:], patterns[1:], found, framed)
 
 
 def _domain(domain: str) -> str:
