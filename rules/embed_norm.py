@@ -117,8 +117,9 @@ class _Viewed(Pattern):
 
 
 def _lookup(i: int) -> Pattern:
-    # MindSpore looks the flattened ids up (Reshape(ids, [-1])); the ids of the lookup are then the unflattened ones
-    ids = Either(Op("Reshape", Var(f"ids{i}"), Var(f"flat{i}"), name=f"flatten{i}"), Var(f"ids{i}"))
+    # the ids as the Gather reads them (HF's view(input_ids) is already [B, S]); else, when the rule proves the rows
+    # reach the sum in their shape, the ids before a Reshape: MindSpore looks up Reshape(ids, [-1]) and reshapes back
+    ids = Either(Var(f"ids{i}"), Op("Reshape", Var(f"ids{i}"), Var(f"flat{i}"), name=f"reshaped_ids{i}"))
     gather = Op("Gather", Var(f"table{i}"), ids, name=f"gather{i}")
     # quantize_dynamic's lookup: the rows of an int8/uint8 table, dequantized after the Gather
     return _Viewed(Either(Op("DequantizeLinear", gather, Var(f"scale{i}"), Var(f"zero{i}"), name=f"dq{i}"), gather),
@@ -158,7 +159,7 @@ class _Lookup:
     ids: ir.Value
     kind: str  # "arange" (0..S-1), "row" ((1,S) ids), "full" ((B,S) ids), or "" (none of these)
     dequantized: bool = False  # the table is an int8/uint8 table dequantized per tensor
-    nodes: tuple[ir.Node, ...] = ()  # the lookup's own nodes: flattening, Gather, dequantization, views
+    nodes: tuple[ir.Node, ...] = ()  # the lookup's own nodes: Reshape of the ids, Gather, dequantization, views
 
 
 class EmbedNorm(Rule):
@@ -324,26 +325,27 @@ _ONE: _Dim = (1, ())
 
 
 def _unviewed(m: Match, i: int, ids: ir.Value, table: ir.Value, total: ir.Value) -> tuple[ir.Node, ...]:
-    """Prove that lookup ``i`` adds ``Gather(table, ids)`` to the sum: whatever flattening and views it reaches the
+    """Prove that lookup ``i`` adds ``Gather(table, ids)`` to the sum: whatever Reshape of its ids and views it reaches the
     sum through keep its rows in their order (every Reshape does; a Transpose only when it moves unit axes alone) and
     give it the lookup's own shape up to leading unit axes, which the Add broadcasts alike; an Expand may repeat it
     only as the last view and only to the sum's own dims (the broadcast the Add does anyway). Returns the lookup's
     nodes; raises ``Refusal`` naming the view that moves or reshapes the rows."""
-    gather, flatten = m.node(f"gather{i}"), m.node(f"flatten{i}")
+    gather, reshaped_ids = m.node(f"gather{i}"), m.node(f"reshaped_ids{i}")
     ids_dims, table_dims = _dims(ids), _dims(table)
     if ids_dims is None or table_dims is None or not table_dims:
         raise Refusal("lookup", f"the shapes of the ids '{ids.name}' and the table '{table.name}' of Gather "
                       f"'{node_name(gather)}' are not known dim by dim")
     rows = ids_dims + table_dims[1:]  # Gather(table, ids)
     dims = rows
-    if flatten is not None:
-        entries = _shape_vector(flatten.inputs[1])
-        flat = None if entries is None else _reshaped(ids_dims, entries, attr_value(flatten, "allowzero", 0))
-        if flat is None or len(flat) != 1:
-            raise Refusal("lookup", f"Reshape '{node_name(flatten)}' in front of Gather '{node_name(gather)}' does "
-                          f"not flatten the ids '{ids.name}' {_fmt(ids_dims)} (target {entries}): only a lookup of "
-                          "the flattened ids, reshaped back, is the lookup of the ids")
-        dims = flat + table_dims[1:]
+    if reshaped_ids is not None:
+        # Gather(table, Reshape(ids)) holds the rows of Gather(table, ids) in the same order, whatever the shape
+        entries = _shape_vector(reshaped_ids.inputs[1])
+        reshaped = None if entries is None else _reshaped(ids_dims, entries, attr_value(reshaped_ids, "allowzero", 0))
+        if reshaped is None:
+            raise Refusal("lookup", f"Reshape '{node_name(reshaped_ids)}' of the ids '{ids.name}' {_fmt(ids_dims)} in "
+                          f"front of Gather '{node_name(gather)}': its target {entries} is not proved from "
+                          "constants and known dims")
+        dims = reshaped + table_dims[1:]
     views: tuple[ir.Node, ...] = m.fact(f"views{i}", ())
     term = dims
     for k, node in enumerate(views):
@@ -361,7 +363,7 @@ def _unviewed(m: Match, i: int, ids: ir.Value, table: ir.Value, total: ir.Value)
                       f"'{node_name(gather)}' as {_fmt(dims)}, where the lookup of the ids '{ids.name}' is "
                       f"{_fmt(rows)}: not the lookup of those ids")
     dq = m.node(f"dq{i}")
-    return tuple(n for n in (flatten, gather, dq) if n is not None) + views
+    return tuple(n for n in (reshaped_ids, gather, dq) if n is not None) + views
 
 
 def _view(node: ir.Node, dims: list[_Dim]) -> tuple[list[_Dim], list[int]]:
