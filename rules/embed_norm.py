@@ -226,7 +226,8 @@ class EmbedNorm(Rule):
         for old, new in reversed(outputs.items()):  # the sum itself last: its type is the one kept
             new.type, new.shape = old.type, old.shape
         return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
-                           region=_region(m, lookups), attributes={"epsilon": epsilon}, opset_imports={"com.microsoft": 1},
+                           region=_region(m, lookups), attributes={"epsilon": epsilon},
+                           opset_imports={"com.microsoft": 1},
                            notes=_quantized_note(lookups, op_type))
 
 
@@ -325,11 +326,11 @@ _ONE: _Dim = (1, ())
 
 
 def _unviewed(m: Match, i: int, ids: ir.Value, table: ir.Value, total: ir.Value) -> tuple[ir.Node, ...]:
-    """Prove that lookup ``i`` adds ``Gather(table, ids)`` to the sum: whatever Reshape of its ids and views it reaches the
-    sum through keep its rows in their order (every Reshape does; a Transpose only when it moves unit axes alone) and
-    give it the lookup's own shape up to leading unit axes, which the Add broadcasts alike; an Expand may repeat it
-    only as the last view and only to the sum's own dims (the broadcast the Add does anyway). Returns the lookup's
-    nodes; raises ``Refusal`` naming the view that moves or reshapes the rows."""
+    """Prove that lookup ``i`` adds ``Gather(table, ids)`` to the sum: the Reshape of its ids and the views it
+    reaches the sum through, if any, keep its rows in their order (every Reshape does; a Transpose only when it
+    moves unit axes alone) and give it the lookup's own shape up to leading unit axes, which the Add broadcasts
+    alike; an Expand may repeat it only as the last view and only to the sum's own dims (the broadcast the Add does
+    anyway). Returns the lookup's nodes; raises ``Refusal`` naming the view that moves or reshapes the rows."""
     gather, reshaped_ids = m.node(f"gather{i}"), m.node(f"reshaped_ids{i}")
     ids_dims, table_dims = _dims(ids), _dims(table)
     if ids_dims is None or table_dims is None or not table_dims:
@@ -384,7 +385,9 @@ def _view(node: ir.Node, dims: list[_Dim]) -> tuple[list[_Dim], list[int]]:
         axis = axis + len(dims) if axis < 0 else axis
         return [_product(dims[:axis]), _product(dims[axis:])], []
     if op == "Transpose":
-        perm = attr_value(node, "perm") or list(range(len(dims)))[::-1]
+        perm = list(attr_value(node, "perm") or range(len(dims) - 1, -1, -1))
+        if sorted(perm) != list(range(len(dims))):
+            raise Refusal("lookup", f"Transpose '{name}' has perm {perm} for the rows {_fmt(dims)}")
         moved = [p for p in perm if dims[p] != _ONE]
         if moved != sorted(moved):
             raise Refusal("lookup", f"Transpose '{name}' (perm {list(perm)}) permutes the looked-up rows "
@@ -405,6 +408,7 @@ def _view(node: ir.Node, dims: list[_Dim]) -> tuple[list[_Dim], list[int]]:
                 out.insert(a, _ONE)
             return out, []
     if op == "Squeeze":
+        axes = axes or None  # no axes, or an empty list: every unit axis
         if axes is None and all(d[1] == () for d in dims):
             axes = [a for a, d in enumerate(dims) if d == _ONE]  # every unit axis: only known when all dims are
         positions = {a % len(dims) for a in axes or () if -len(dims) <= a < len(dims)}
