@@ -348,18 +348,19 @@ def _unviewed(m: Match, i: int, ids: ir.Value, table: ir.Value, total: ir.Value)
                           "constants and known dims")
         dims = reshaped + table_dims[1:]
     views: tuple[ir.Node, ...] = m.fact(f"views{i}", ())
+    moves = [node for node in views if node.op_type != "Identity"]  # an Identity moves nothing, wherever it is
     term = dims
-    for k, node in enumerate(views):
+    for k, node in enumerate(moves):
         term, grown = _view(node, dims)
         if grown:
-            if k != len(views) - 1:
+            if k != len(moves) - 1:
                 raise Refusal("lookup", f"Expand '{node_name(node)}' repeats the looked-up rows and "
-                              f"{views[k + 1].op_type} '{node_name(views[k + 1])}' lays them out anew after it")
+                              f"{moves[k + 1].op_type} '{node_name(moves[k + 1])}' lays them out anew after it")
             _check_broadcast_of_sum(node, term, grown, total)
             break
         dims = term
     if len(term) > len(total.shape) or _leading_ones_off(dims) != _leading_ones_off(rows):
-        last = views[-1] if views else gather
+        last = moves[-1] if moves else gather
         raise Refusal("lookup", f"{last.op_type} '{node_name(last)}' hands the sum the rows of Gather "
                       f"'{node_name(gather)}' as {_fmt(dims)}, where the lookup of the ids '{ids.name}' is "
                       f"{_fmt(rows)}: not the lookup of those ids")
@@ -371,8 +372,6 @@ def _view(node: ir.Node, dims: list[_Dim]) -> tuple[list[_Dim], list[int]]:
     """The dims after one view op of a tensor of ``dims``, and the axes an Expand grows (repeats values along).
     Raises ``Refusal`` for a view that moves values or whose result is not proved."""
     op, name = node.op_type, node_name(node)
-    if op == "Identity":
-        return dims, []
     if op == "Reshape":
         entries = _shape_vector(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
         out = None if entries is None else _reshaped(dims, entries, attr_value(node, "allowzero", 0))

@@ -154,8 +154,13 @@ def _expanded_to_the_sum(g: EmbedBlock, rows: str) -> str:
     return g.node("Expand", [lifted, target], "pos_emb")
 
 
-@pytest.mark.parametrize("views", [_broadcast_in_dim, _unit_axis_moved, _expanded_to_the_sum],
-                         ids=["broadcast_in_dim", "unit_axis_moved", "expanded_to_the_sum"])
+def _expanded_then_identity(g: EmbedBlock, rows: str) -> str:
+    """An Identity after the repeating Expand moves nothing (Paddle writes Identities after nearly every op)."""
+    return g.node("Identity", [_expanded_to_the_sum(g, rows)], "pos_identity")
+
+
+@pytest.mark.parametrize("views", [_broadcast_in_dim, _unit_axis_moved, _expanded_to_the_sum, _expanded_then_identity],
+                         ids=["broadcast_in_dim", "unit_axis_moved", "expanded_to_the_sum", "expanded_then_identity"])
 def test_vmapped_position_lookup(views):
     node, fused = _embed(_vmapped(views))
     inputs = list(node.input) + [""] * (9 - len(node.input))
