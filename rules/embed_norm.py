@@ -8,18 +8,26 @@ Which lookup is which is decided by meaning, not by names: the word lookup is in
 position lookup is the one whose indices are provably 0..S-1 (a constant, a Slice of an arange buffer, a Range),
 else one indexed by a (1, S) or (B, S) tensor, passed as ``position_ids`` (the kernel honours any values).
 Embedding tables are never read: only their shapes and dtypes matter.
+
+A lookup may reach the sum through views that leave its rows as they are, each proved from shapes and constants
+(``_unviewed``): MindSpore looks up the flattened ids and reshapes back, ``Reshape(Gather(table, Reshape(ids, [-1])),
+ids.shape + [hidden])``, which is ``Gather(table, ids)``; vmap (jax2onnx) adds unit axes and an Expand the Add would
+do anyway (``Expand(Reshape(Gather(table, arange), [1, S, H]), [1, S, H])``). A view that moves rows (a Transpose of
+non-unit axes, a Reshape to another shape than the lookup's own up to leading unit axes) is refused with the reason.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
 from lnfuse.index.constants import is_static, static_value
-from lnfuse.match.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
+from lnfuse.match.pattern import Either, Match, Op, Pattern, Var, attr_value, noop_outputs, through_noops
 from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from ._common import dtype_of, kernel_epsilon, node_name, read_outside, same_dim
 
@@ -70,10 +78,52 @@ def reference_no_segment():
     return embed_layer_normalization_no_segment
 
 
-def _lookup(i: int) -> Either:
-    gather = Op("Gather", Var(f"table{i}"), Var(f"ids{i}"), name=f"gather{i}")
+#: ops that only lay a lookup's rows out anew; which of them leave the rows as they are is proved by ``_unviewed``
+_VIEW_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Expand", "Identity"})
+#: how many views one lookup is seen through: exporters write one to three
+_MAX_VIEWS = 6
+
+
+class _Viewed(Pattern):
+    """``inner`` at the value, or under a chain of view ops in front of it (farthest first). The chain's nodes join
+    the match and are bound, innermost first, as the fact ``fact``: the matcher only finds them, the rule proves
+    (``_unviewed``) that they leave the lookup's rows as they are, and refuses with the reason otherwise."""
+
+    def __init__(self, inner: Pattern, fact: str):
+        self.inner = inner
+        self.fact = fact
+        self.name = None
+
+    def root_ops(self) -> frozenset[str] | None:
+        inner = self.inner.root_ops()
+        return None if inner is None else inner | _VIEW_OPS
+
+    def _match(self, value, m):
+        chain: list[ir.Node] = []  # outermost first
+        under = value
+        while len(chain) < _MAX_VIEWS and under is not None:
+            node = under.producer()
+            if node is None or node.op_type not in _VIEW_OPS or node.domain not in ("", "ai.onnx") or \
+                    node.outputs[0] is not under or not node.inputs or node.inputs[0] is None:
+                break
+            chain.append(node)
+            under = node.inputs[0]
+        for k in range(len(chain), -1, -1):  # the value under the k outermost views
+            views = tuple(reversed(chain[:k]))
+            bound = m.with_fact(self.fact, views)
+            for node in views:
+                bound = bound.add_node(node, None)
+            yield from self.inner.match(chain[k - 1].inputs[0] if k else value, bound)
+
+
+def _lookup(i: int) -> Pattern:
+    # the ids as the Gather reads them (HF's view(input_ids) is already [B, S]); else, when the rule proves the rows
+    # reach the sum in their shape, the ids before a Reshape: MindSpore looks up Reshape(ids, [-1]) and reshapes back
+    ids = Either(Var(f"ids{i}"), Op("Reshape", Var(f"ids{i}"), Var(f"flat{i}"), name=f"reshaped_ids{i}"))
+    gather = Op("Gather", Var(f"table{i}"), ids, name=f"gather{i}")
     # quantize_dynamic's lookup: the rows of an int8/uint8 table, dequantized after the Gather
-    return Either(Op("DequantizeLinear", gather, Var(f"scale{i}"), Var(f"zero{i}"), name=f"dq{i}"), gather)
+    return _Viewed(Either(Op("DequantizeLinear", gather, Var(f"scale{i}"), Var(f"zero{i}"), name=f"dq{i}"), gather),
+                   f"views{i}")
 
 
 def _stored_constant(value: ir.Value) -> bool:
@@ -109,6 +159,7 @@ class _Lookup:
     ids: ir.Value
     kind: str  # "arange" (0..S-1), "row" ((1,S) ids), "full" ((B,S) ids), or "" (none of these)
     dequantized: bool = False  # the table is an int8/uint8 table dequantized per tensor
+    nodes: tuple[ir.Node, ...] = ()  # the lookup's own nodes: Reshape of the ids, Gather, dequantization, views
 
 
 class EmbedNorm(Rule):
@@ -175,7 +226,8 @@ class EmbedNorm(Rule):
         for old, new in reversed(outputs.items()):  # the sum itself last: its type is the one kept
             new.type, new.shape = old.type, old.shape
         return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
-                           region=_region(m), attributes={"epsilon": epsilon}, opset_imports={"com.microsoft": 1},
+                           region=_region(m, lookups), attributes={"epsilon": epsilon},
+                           opset_imports={"com.microsoft": 1},
                            notes=_quantized_note(lookups, op_type))
 
 
@@ -199,13 +251,14 @@ def _sum_values(read: ir.Value | None, norm: ir.Node) -> list[ir.Value]:
     return [read] + (noop_outputs(norm.inputs[0], read) if norm.op_type == "LayerNormalization" else [])
 
 
-def _region(m: Match) -> list[ir.Node]:
-    """The matched nodes, less any lookup (or its dequantization) that something else also reads: two blocks
-    sharing one word lookup keep it for that reader, and the kernel looks the rows up again itself."""
+def _region(m: Match, lookups: list[_Lookup]) -> list[ir.Node]:
+    """The matched nodes, less any lookup node (its Gather, dequantization or views) that something else also
+    reads, and what that node reads: two blocks sharing one word lookup keep it for that reader, and the kernel looks
+    the rows up again itself."""
+    keepable = {node for lookup in lookups for node in lookup.nodes}
     region = list(m.nodes)
     while True:
-        kept = [n for n in region if n.op_type in ("Gather", "DequantizeLinear")
-                and any(read_outside(v, region) for v in n.outputs)]
+        kept = [n for n in region if n in keepable and any(read_outside(v, region) for v in n.outputs)]
         if not kept:
             return region
         region = [n for n in region if n not in kept]
@@ -239,6 +292,7 @@ def _classify(m: Match, i: int, ctx: GraphContext, total: ir.Value) -> _Lookup:
         raise Refusal("gather", f"Gather '{node_name(gather)}' gathers along axis {attr_value(gather, 'axis')}")
     if dtype_of(ids) not in _INDEX_TYPES or ids.shape is None:
         raise Refusal("ids", f"the indices '{ids.name}' are not int32/int64 of known shape")
+    nodes = _unviewed(m, i, ids, m.value(f"table{i}"), total)
     constant = static_value(ids)
     rows = table.shape[0] if table.shape is not None and len(table.shape) > 0 else None
     if constant is not None and isinstance(rows, int) and constant.size and \
@@ -260,7 +314,233 @@ def _classify(m: Match, i: int, ctx: GraphContext, total: ir.Value) -> _Lookup:
         # buffer[:, :S] with S read from another input's shape (transformers' dynamo exports): its length is
         # min(rows, S), which is S wherever the graph runs (else the Add cannot broadcast), so it is 0..S-1
         kind = "arange"
-    return _Lookup(gather, table, ids, kind, dequantized=dq is not None)
+    return _Lookup(gather, table, ids, kind, dequantized=dq is not None, nodes=nodes)
+
+
+# ---- a lookup seen through views -----------------------------------------------------------------------------
+# Dims are products (a known factor and named symbolic factors), so that a flattened [B*S] is compared exactly and a
+# Reshape's -1 is solved by division. An unnamed unknown dim is no dim: nothing is proved about it.
+
+_Dim = tuple[int, tuple[str, ...]]
+_ONE: _Dim = (1, ())
+
+
+def _unviewed(m: Match, i: int, ids: ir.Value, table: ir.Value, total: ir.Value) -> tuple[ir.Node, ...]:
+    """Prove that lookup ``i`` adds ``Gather(table, ids)`` to the sum: the Reshape of its ids and the views it
+    reaches the sum through, if any, keep its rows in their order (every Reshape does; a Transpose only when it
+    moves unit axes alone) and give it the lookup's own shape up to leading unit axes, which the Add broadcasts
+    alike; an Expand may repeat it only as the last view and only to the sum's own dims (the broadcast the Add does
+    anyway). Returns the lookup's nodes; raises ``Refusal`` naming the view that moves or reshapes the rows."""
+    gather, reshaped_ids = m.node(f"gather{i}"), m.node(f"reshaped_ids{i}")
+    ids_dims, table_dims = _dims(ids), _dims(table)
+    if ids_dims is None or table_dims is None or not table_dims:
+        raise Refusal("lookup", f"the shapes of the ids '{ids.name}' and the table '{table.name}' of Gather "
+                      f"'{node_name(gather)}' are not known dim by dim")
+    rows = ids_dims + table_dims[1:]  # Gather(table, ids)
+    dims = rows
+    if reshaped_ids is not None:
+        # Gather(table, Reshape(ids)) holds the rows of Gather(table, ids) in the same order, whatever the shape
+        entries = _shape_vector(reshaped_ids.inputs[1])
+        reshaped = None if entries is None else _reshaped(ids_dims, entries, attr_value(reshaped_ids, "allowzero", 0))
+        if reshaped is None:
+            raise Refusal("lookup", f"Reshape '{node_name(reshaped_ids)}' of the ids '{ids.name}' {_fmt(ids_dims)} in "
+                          f"front of Gather '{node_name(gather)}': its target {entries} is not proved from "
+                          "constants and known dims")
+        dims = reshaped + table_dims[1:]
+    views: tuple[ir.Node, ...] = m.fact(f"views{i}", ())
+    moves = [node for node in views if node.op_type != "Identity"]  # an Identity moves nothing, wherever it is
+    term = dims
+    for k, node in enumerate(moves):
+        term, grown = _view(node, dims)
+        if grown:
+            if k != len(moves) - 1:
+                raise Refusal("lookup", f"Expand '{node_name(node)}' repeats the looked-up rows and "
+                              f"{moves[k + 1].op_type} '{node_name(moves[k + 1])}' lays them out anew after it")
+            _check_broadcast_of_sum(node, term, grown, total)
+            break
+        dims = term
+    if len(term) > len(total.shape) or _leading_ones_off(dims) != _leading_ones_off(rows):
+        last = moves[-1] if moves else gather
+        raise Refusal("lookup", f"{last.op_type} '{node_name(last)}' hands the sum the rows of Gather "
+                      f"'{node_name(gather)}' as {_fmt(dims)}, where the lookup of the ids '{ids.name}' is "
+                      f"{_fmt(rows)}: not the lookup of those ids")
+    dq = m.node(f"dq{i}")
+    return tuple(n for n in (reshaped_ids, gather, dq) if n is not None) + views
+
+
+def _view(node: ir.Node, dims: list[_Dim]) -> tuple[list[_Dim], list[int]]:
+    """The dims after one view op of a tensor of ``dims``, and the axes an Expand grows (repeats values along).
+    Raises ``Refusal`` for a view that moves values or whose result is not proved."""
+    op, name = node.op_type, node_name(node)
+    if op == "Reshape":
+        entries = _shape_vector(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+        out = None if entries is None else _reshaped(dims, entries, attr_value(node, "allowzero", 0))
+        if out is None:
+            raise Refusal("lookup", f"Reshape '{name}' of the looked-up rows {_fmt(dims)}: its target {entries} is "
+                          "not proved from constants and known dims")
+        return out, []
+    if op == "Flatten":
+        axis = attr_value(node, "axis", 1)
+        axis = axis + len(dims) if axis < 0 else axis
+        return [_product(dims[:axis]), _product(dims[axis:])], []
+    if op == "Transpose":
+        perm = list(attr_value(node, "perm") or range(len(dims) - 1, -1, -1))
+        if sorted(perm) != list(range(len(dims))):
+            raise Refusal("lookup", f"Transpose '{name}' has perm {perm} for the rows {_fmt(dims)}")
+        moved = [p for p in perm if dims[p] != _ONE]
+        if moved != sorted(moved):
+            raise Refusal("lookup", f"Transpose '{name}' (perm {list(perm)}) permutes the looked-up rows "
+                          f"{_fmt(dims)}: only a transpose that moves unit axes alone keeps them in order")
+        return [dims[p] for p in perm], []
+    if op == "Expand":
+        entries = _shape_vector(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+        if entries is None or any(isinstance(e, int) and e < 1 for e in entries):
+            raise Refusal("lookup", f"Expand '{name}' of the looked-up rows: its shape {entries} is not proved")
+        return _expanded(name, dims, [(e, ()) if isinstance(e, int) else e for e in entries])
+    axes = _view_axes(node)
+    if op == "Unsqueeze" and axes is not None:
+        rank = len(dims) + len(axes)
+        positions = sorted({a % rank for a in axes if -rank <= a < rank})
+        if len(positions) == len(axes):
+            out = list(dims)
+            for a in positions:
+                out.insert(a, _ONE)
+            return out, []
+    if op == "Squeeze":
+        axes = axes or None  # no axes, or an empty list: every unit axis
+        if axes is None and all(d[1] == () for d in dims):
+            axes = [a for a, d in enumerate(dims) if d == _ONE]  # every unit axis: only known when all dims are
+        positions = {a % len(dims) for a in axes or () if -len(dims) <= a < len(dims)}
+        if axes is not None and len(positions) == len(axes) and all(dims[a] == _ONE for a in positions):
+            return [d for a, d in enumerate(dims) if a not in positions], []
+    raise Refusal("lookup", f"{op} '{name}' of the looked-up rows {_fmt(dims)}: its axes are not proved")
+
+
+def _expanded(name: str, dims: list[_Dim], target: list[_Dim]) -> tuple[list[_Dim], list[int]]:
+    rank = max(len(dims), len(target))
+    padded = [_ONE] * (rank - len(dims)) + dims
+    target = [_ONE] * (rank - len(target)) + target
+    out, grown = [], []
+    for axis, (have, want) in enumerate(zip(padded, target)):
+        if want == _ONE or want == have:
+            out.append(have)
+        elif have == _ONE:
+            out.append(want)
+            grown.append(axis)
+        else:
+            raise Refusal("lookup", f"Expand '{name}' to {_fmt(target)} does not provably broadcast the looked-up "
+                          f"rows {_fmt(dims)}")
+    return out, grown
+
+
+def _check_broadcast_of_sum(node: ir.Node, out: list[_Dim], grown: list[int], total: ir.Value) -> None:
+    """An Expand that repeats a term along unit axes to the sum's own dims adds what the Add's broadcast adds."""
+    sum_dims = [_dim(d) for d in total.shape]
+    offset = len(sum_dims) - len(out)
+    if offset < 0 or any(out[a] != sum_dims[a + offset] for a in grown):
+        raise Refusal("lookup", f"Expand '{node_name(node)}' repeats the looked-up rows to {_fmt(out)}, not to the "
+                      f"embedding sum's own dims {list(total.shape)}: it is more than the Add's broadcast")
+
+
+def _view_axes(node: ir.Node) -> list[int] | None:
+    axes = attr_value(node, "axes")
+    if axes is None and len(node.inputs) > 1 and node.inputs[1] is not None:
+        found = static_value(node.inputs[1])
+        axes = None if found is None else [int(a) for a in found.reshape(-1)]
+    return None if axes is None else list(axes)
+
+
+def _dim(d) -> _Dim | None:
+    if isinstance(d, int):
+        return (d, ()) if d >= 0 else None
+    name = getattr(d, "value", None)
+    return (1, (name,)) if isinstance(name, str) and name else None
+
+
+def _dims(value: ir.Value) -> list[_Dim] | None:
+    if value.shape is None:
+        return None
+    dims = [_dim(d) for d in value.shape]
+    return None if None in dims else dims
+
+
+def _product(dims: list[_Dim]) -> _Dim:
+    return math.prod(d[0] for d in dims), tuple(sorted(s for d in dims for s in d[1]))
+
+
+def _quotient(whole: _Dim, part: _Dim) -> _Dim | None:
+    """whole / part when part's factors are among whole's: the dim a Reshape's -1 stands for."""
+    if part[0] == 0 or whole[0] % part[0]:
+        return None
+    left = Counter(whole[1])
+    left.subtract(part[1])
+    if any(n < 0 for n in left.values()):
+        return None
+    return whole[0] // part[0], tuple(sorted(left.elements()))
+
+
+def _reshaped(dims: list[_Dim], entries: list, allowzero: int) -> list[_Dim] | None:
+    """The dims Reshape gives ``dims`` for target ``entries`` (ints with ONNX's 0 and -1, or proven dims), or None
+    when that is not proved (or the Reshape would fail)."""
+    out: list[_Dim | None] = []
+    free = None
+    for k, entry in enumerate(entries):
+        if isinstance(entry, tuple):
+            out.append(entry)
+        elif entry > 0:
+            out.append((entry, ()))
+        elif entry == 0 and not allowzero and k < len(dims):
+            out.append(dims[k])  # 0 copies the input's dim
+        elif entry == -1 and free is None:
+            free = k
+            out.append(None)
+        else:
+            return None
+    if free is not None:
+        out[free] = _quotient(_product(dims), _product([d for d in out if d is not None]))
+        if out[free] is None:
+            return None
+    return out if _product(out) == _product(dims) else None
+
+
+def _shape_vector(value: ir.Value, depth: int = 0) -> list | None:
+    """The entries of a shape input: a constant's ints (a Reshape's 0 and -1 keep their meaning), or the dims that
+    ``Shape(x)[start:end]`` pieces of a Concat read, as proven dims; None when neither."""
+    array = static_value(value)
+    if array is not None:
+        return [int(v) for v in array.reshape(-1)] if array.ndim == 1 and array.dtype.kind in "iu" else None
+    node = value.producer()
+    if node is None or depth > 4 or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type in ("Cast", "Identity"):
+        return _shape_vector(node.inputs[0], depth + 1)
+    if node.op_type == "Shape":
+        dims = _dims(node.inputs[0])
+        if dims is None:
+            return None
+        rank = len(dims)
+        start, end = attr_value(node, "start", 0), attr_value(node, "end", rank)
+        return dims[max(start + rank if start < 0 else start, 0):min(end + rank if end < 0 else end, rank)]
+    if node.op_type == "Concat" and attr_value(node, "axis") in (0, -1):
+        parts = [_shape_vector(v, depth + 1) for v in node.inputs]
+        return None if any(p is None for p in parts) else [e for p in parts for e in p]
+    return None
+
+
+def _leading_ones_off(dims: list[_Dim]) -> list[_Dim]:
+    k = 0
+    while k < len(dims) and dims[k] == _ONE:
+        k += 1
+    return dims[k:]
+
+
+def _fmt(dims: list) -> str:
+    def one(d):
+        if not isinstance(d, tuple):
+            return str(d)
+        factors = ([str(d[0])] if d[0] != 1 or not d[1] else []) + list(d[1])
+        return "*".join(factors)
+    return "[" + ", ".join(one(d) for d in dims) + "]"
 
 
 def _folded_positions(ctx: GraphContext, value: ir.Value, s: ir.Value) -> _Lookup:
@@ -415,9 +695,14 @@ def _vector(value: ir.Value, hidden: int, dtype: ir.DataType, what: str) -> ir.V
 
 
 def _int32(ctx: GraphContext, ids: ir.Value) -> ir.Value:
-    """The kernel takes int32 ids. Valid ids index a table, so they fit; a Cast is inserted for int64."""
+    """The kernel takes int32 ids. Valid ids index a table, so they fit; a Cast is inserted for int64, except for
+    int32 ids the graph widened itself (jax2onnx's ``Cast(ids, int64)``): int32 -> int64 -> int32 gives them back."""
     if dtype_of(ids) == ir.DataType.INT32:
         return ids
+    widened = ids.producer()
+    if widened is not None and widened.op_type == "Cast" and widened.domain in ("", "ai.onnx") and \
+            widened.inputs[0] is not None and dtype_of(widened.inputs[0]) == ir.DataType.INT32:
+        return widened.inputs[0]
     cast = ctx.node("Cast", [ids], {"to": ir.DataType.INT32.value}, hint="lnfuse_ids")
     cast.outputs[0].type = ir.TensorType(ir.DataType.INT32)
     cast.outputs[0].shape = ids.shape

@@ -263,6 +263,43 @@ def _used(nodes: list, inits: list, outputs: list[str]) -> tuple[list, list]:
     return kept[::-1], [t for t in inits if t.name in needed]
 
 
+# ---- embedding blocks ---------------------------------------------------------------------------------------------
+
+class EmbedBlock:
+    """A small embedding block builder: ids in (int64 [batch, seq] unless given), lookups and sums written by the
+    test, ``norm`` adds the LayerNorm and makes the model."""
+
+    def __init__(self, hidden: int = 8, ids_dtype: int = TensorProto.INT64, ids_shape: tuple = ("batch", "seq"),
+                 opset: int = 17):
+        self.hidden, self.ids_shape, self.opset = hidden, list(ids_shape), opset
+        self.nodes, self.inits = [], []
+        self.inputs = [oh.make_tensor_value_info("ids", ids_dtype, self.ids_shape)]
+        self.rng = np.random.default_rng(0)
+
+    def table(self, name: str, rows: int) -> str:
+        self.inits.append(onh.from_array(self.rng.normal(size=(rows, self.hidden)).astype(np.float32), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], out: str, **attrs) -> str:
+        self.nodes.append(oh.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(self, name: str, array) -> str:
+        self.inits.append(onh.from_array(np.asarray(array), name))
+        return name
+
+    def norm(self, s: str, outputs: tuple = ("Y",)) -> onnx.ModelProto:
+        self.const("gamma", self.rng.uniform(0.5, 1.5, self.hidden).astype(np.float32))
+        self.const("beta", self.rng.normal(size=self.hidden).astype(np.float32))
+        self.node("LayerNormalization", [s, "gamma", "beta"], "Y", epsilon=1e-5)
+        outs = [oh.make_tensor_value_info(o, TensorProto.FLOAT, self.ids_shape + [self.hidden]) for o in outputs]
+        model = oh.make_model(oh.make_graph(self.nodes, "embed", self.inputs, outs, self.inits),
+                              opset_imports=[oh.make_opsetid("", self.opset)])
+        model.ir_version = 8
+        onnx.checker.check_model(model)
+        return model
+
+
 # ---- running models -----------------------------------------------------------------------------------------------
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:

@@ -11,41 +11,13 @@ import pytest
 from onnx import TensorProto
 
 import lnfuse
-from normgraphs import op_types, session
+from normgraphs import EmbedBlock, op_types, session
 
 H, V, P, T = 8, 20, 16, 2
 
 
-class _G:
+class _G(EmbedBlock):
     """A small embedding block builder: ids [batch, seq] int64 in, norm out."""
-
-    def __init__(self):
-        self.nodes, self.inits = [], []
-        self.inputs = [oh.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])]
-        self.rng = np.random.default_rng(0)
-
-    def table(self, name, rows):
-        self.inits.append(onh.from_array(self.rng.normal(size=(rows, H)).astype(np.float32), name))
-        return name
-
-    def node(self, op, inputs, out, **attrs):
-        self.nodes.append(oh.make_node(op, inputs, [out], name=out, **attrs))
-        return out
-
-    def const(self, name, array):
-        self.inits.append(onh.from_array(np.asarray(array), name))
-        return name
-
-    def norm(self, s, outputs=("Y",)):
-        self.const("gamma", self.rng.uniform(0.5, 1.5, H).astype(np.float32))
-        self.const("beta", self.rng.normal(size=H).astype(np.float32))
-        self.node("LayerNormalization", [s, "gamma", "beta"], "Y", epsilon=1e-5)
-        outs = [oh.make_tensor_value_info(o, TensorProto.FLOAT, ["batch", "seq", H]) for o in outputs]
-        model = oh.make_model(oh.make_graph(self.nodes, "embed", self.inputs, outs, self.inits),
-                              opset_imports=[oh.make_opsetid("", 17)])
-        model.ir_version = 8
-        onnx.checker.check_model(model)
-        return model
 
     def arange_slice_positions(self):
         """HF BERT: a registered [1, P] arange buffer sliced to the sequence length."""

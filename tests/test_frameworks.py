@@ -53,10 +53,6 @@ RMS = {"RMSNormalization": 1}               # ONNX's, from opset 23
 SKIP = {"SkipLayerNormalization": 1}
 EMBED = {"EmbedLayerNormalization": 1}
 
-EQX_EMBED = ("jax2onnx's vmapped Equinox lookups: the LayerNorm fuses (constant-row guard, float64 variance), the "
-             "embedding rule forms only a SkipLayerNormalization")
-MS_EMBED = ("MindSpore's lookups Reshape(ids, [-1]) → Gather → Reshape [2, 8, 32]: the LayerNorm fuses (ReduceSumSquare "
-            "variance), the embedding rule forms only a SkipLayerNormalization")
 PADDLE_IDENTITY = "the sum reaches the norm through Identity → Identity"
 
 EXPECTED: dict[str, Case] = {
@@ -69,7 +65,8 @@ EXPECTED: dict[str, Case] = {
     "jax2onnx/eqx_layernorm": Case(LN),
     "jax2onnx/eqx_rmsnorm": Case(RMS, centred=False),
     "jax2onnx/eqx_residual_layernorm": Case(SKIP),
-    "jax2onnx/eqx_embedding_layernorm": Case(EMBED, EQX_EMBED),
+    # vmap's Reshape [S, H] -> [1, S, H] and Expand to its own shape on the position lookup; Cast(ids, int64)
+    "jax2onnx/eqx_embedding_layernorm": Case(EMBED),
     "jax2onnx/jnp_layernorm": Case(LN),
     "jax2onnx/jnp_channels_first": Case(LN),
     # ---- jax2tf (jax 0.4.30, non-native) + tf2onnx 1.17 (opset 17)
@@ -110,7 +107,8 @@ EXPECTED: dict[str, Case] = {
     "mindspore/layernorm": Case(LN),
     "mindspore/rmsnorm": Case(SLN, centred=False),
     "mindspore/residual_layernorm": Case(SKIP),
-    "mindspore/embedding_layernorm": Case(EMBED, MS_EMBED),
+    # Reshape(Gather(word, Reshape(ids, [-1])), [2, 8, 32]) is Gather(word, ids)
+    "mindspore/embedding_layernorm": Case(EMBED),
     "mindspore/channels_first": Case(LN),
     # ---- spox 0.18 and onnxscript 0.7 (the framework is ONNX; opset 18)
     "spox/layernorm": Case(LN),

@@ -383,7 +383,10 @@ def _shared_context(old_reads: list[ir.Value], new_reads: list[ir.Value], produc
     if not missing and not shapes:
         return [], context
     prelude: list[ir.Node] = []
-    if all(_derive(v, set(), prelude, from_inputs=True, avoid=produced_old) for v in missing + shapes + new_reads) \
+    # every value only the old side reads, not only the missing ones: those ``context`` derived from the new side's
+    # reads (Cast(ids) when the kernel reads the ids themselves) must not become random inputs of the old side
+    old_only = [v for v in dict.fromkeys(old_reads) if v not in new_reads]
+    if all(_derive(v, set(), prelude, from_inputs=True, avoid=produced_old) for v in old_only + shapes + new_reads) \
             and len(prelude) <= _MAX_PRELUDE:
         return prelude, []
     # the activations come from far up: keep them as inputs, and compute only the shape arithmetic from them
@@ -392,7 +395,8 @@ def _shared_context(old_reads: list[ir.Value], new_reads: list[ir.Value], produc
         attempt: list[ir.Node] = []
         if _derive(value, sources, attempt, from_inputs=True, avoid=produced_old, shapes_of=shapes_of):
             prelude += [n for n in attempt if n not in prelude]
-    return (prelude if len(prelude) <= _MAX_PRELUDE else []), context
+    prelude = prelude if len(prelude) <= _MAX_PRELUDE else []
+    return prelude, [n for n in context if n not in prelude]
 
 
 def _concrete(shape: ir.Shape, sizes: dict[str, int], shrink: Mapping[int, int], unnamed: Iterator[int]) -> list[int]:
