@@ -306,14 +306,19 @@ def _classify(m: Match, i: int, ctx: GraphContext, total: ir.Value) -> _Lookup:
         kind = "full"
     elif len(dims) == 2 and dims[0] == 1 and same_dim(dims[1], s[1]):
         kind = "row"
-    if kind and _is_arange(ids):
+    if kind and _is_arange(ids, rows):
         kind = "arange"
-    elif len(dims) == 1 and same_dim(dims[0], s[1]) and _is_arange(ids):
+    elif len(dims) == 1 and same_dim(dims[0], s[1]) and _is_arange(ids, rows):
         kind = "arange"
-    elif len(dims) == 2 and dims[0] == 1 and _is_arange(ids) and _sliced_to(ids, s[1]):
+    elif len(dims) == 2 and dims[0] == 1 and _is_arange(ids, rows) and _sliced_to(ids, s[1]):
         # buffer[:, :S] with S read from another input's shape (transformers' dynamo exports): its length is
         # min(rows, S), which is S wherever the graph runs (else the Add cannot broadcast), so it is 0..S-1
         kind = "arange"
+    wrapping = None if kind == "arange" else _wrapping_cast(ids, rows)
+    if wrapping is not None:
+        raise Refusal("ids", f"the indices '{ids.name}' come from Cast '{node_name(wrapping)}' to a signed type "
+                      "too narrow for the table's rows: wrapped ids are negative, which Gather counts from the end "
+                      "and the kernel refuses")
     return _Lookup(gather, table, ids, kind, dequantized=dq is not None, nodes=nodes)
 
 
@@ -613,8 +618,39 @@ def _axis_is(value: ir.Value, axis: int, dim) -> bool:
     return shape is not None and -len(shape) <= axis < len(shape) and same_dim(shape[axis], dim)
 
 
-def _is_arange(ids: ir.Value, depth: int = 0) -> bool:
-    """True when every row of ``ids`` is 0, 1, ..., n-1 (the caller checks that n is the sequence length)."""
+#: the largest n such that a type holds every integer 0..n exactly
+_EXACT_UP_TO = {ir.DataType.INT8: 2**7 - 1, ir.DataType.UINT8: 2**8 - 1, ir.DataType.INT16: 2**15 - 1,
+                ir.DataType.UINT16: 2**16 - 1, ir.DataType.INT32: 2**31 - 1, ir.DataType.UINT32: 2**32 - 1,
+                ir.DataType.INT64: 2**63 - 1, ir.DataType.UINT64: 2**64 - 1, ir.DataType.BFLOAT16: 2**8,
+                ir.DataType.FLOAT16: 2**11, ir.DataType.FLOAT: 2**24, ir.DataType.DOUBLE: 2**53}
+
+
+def _counts_exactly(value: ir.Value, rows) -> bool:
+    """Whether ``value``'s type holds every position a lookup in a table of ``rows`` rows can read (0..rows-1; with
+    the rows unknown, every int32 id the kernel takes): a Range or Cast in a narrower type wraps or rounds them."""
+    top = _EXACT_UP_TO.get(dtype_of(value))
+    return top is not None and top >= (rows - 1 if isinstance(rows, int) else 2**31 - 1)
+
+
+def _wrapping_cast(ids: ir.Value, rows, depth: int = 0) -> ir.Node | None:
+    """A Cast on the way to ``ids`` into a signed type that does not hold every row index (int8 ids of a table of
+    300 rows), through the ops that carry ids unchanged."""
+    node = ids.producer()
+    if node is None or depth > 6 or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Cast" and dtype_of(ids) in _SIGNED and not _counts_exactly(ids, rows):
+        return node
+    if node.op_type in ("Cast", "Unsqueeze", "Expand", "Identity", "Reshape", "Squeeze"):
+        return _wrapping_cast(node.inputs[0], rows, depth + 1)
+    return None
+
+
+_SIGNED = frozenset({ir.DataType.INT8, ir.DataType.INT16, ir.DataType.INT32, ir.DataType.INT64})
+
+
+def _is_arange(ids: ir.Value, rows, depth: int = 0) -> bool:
+    """True when every row of ``ids`` is 0, 1, ..., n-1 (the caller checks that n is the sequence length), for
+    every n up to the table's ``rows``."""
     array = static_value(ids)
     if array is not None:
         if array.size == 0:
@@ -637,16 +673,19 @@ def _is_arange(ids: ir.Value, depth: int = 0) -> bool:
             axes = None if found is None else found.reshape(-1).tolist()
         if node.op_type == "Unsqueeze" and (axes is None or any(a in (-1, len(ids.shape) - 1) for a in axes)):
             return False
-        return _is_arange(node.inputs[0], depth + 1)
+        if node.op_type == "Cast" and not _counts_exactly(ids, rows):
+            return False
+        return _is_arange(node.inputs[0], rows, depth + 1)
     if node.op_type == "Range":
         start, delta = static_value(node.inputs[0]), static_value(node.inputs[2])
-        return start is not None and delta is not None and start.item() == 0 and delta.item() == 1
+        return start is not None and delta is not None and start.item() == 0 and delta.item() == 1 and \
+            _counts_exactly(ids, rows)
     if node.op_type == "Slice":
-        return _is_arange_slice(node, depth)
+        return _is_arange_slice(node, rows, depth)
     return False
 
 
-def _is_arange_slice(node: ir.Node, depth: int) -> bool:
+def _is_arange_slice(node: ir.Node, rows, depth: int) -> bool:
     """``buffer[..., 0:n]`` of an arange buffer (HF's registered position_ids) is 0..n-1."""
     data = node.inputs[0]
     starts = static_value(node.inputs[1]) if len(node.inputs) > 1 else None
@@ -660,7 +699,7 @@ def _is_arange_slice(node: ir.Node, depth: int) -> bool:
         return False
     if steps is not None and steps.reshape(-1)[0] != 1:
         return False
-    return _is_arange(data, depth + 1)
+    return _is_arange(data, rows, depth + 1)
 
 
 def _roles(lookups: list[_Lookup]) -> tuple[_Lookup, _Lookup, _Lookup | None]:

@@ -133,10 +133,6 @@ def test_an_inverse_std_read_before_its_unsqueeze_is_stopped_by_verification():
     _same(model, result.model, [{"x": x} for x in _rows([2, 3, H])])
 
 
-@pytest.mark.xfail(strict=True, reason="red team: the embedding rule reads position ids through any Cast, so "
-                                       "Cast(Range(0, S), int8|uint8|float16) -> Cast(int64) is taken for 0..S-1; it "
-                                       "wraps (or rounds) past 127 / 255 / 2048, where the kernel's own positions "
-                                       "differ; verification runs S <= 7 and cannot see it")
 @pytest.mark.parametrize("narrow, seq", [(TensorProto.INT8, 130), (TensorProto.UINT8, 260),
                                          (TensorProto.FLOAT16, 2050)], ids=["int8", "uint8", "float16"])
 def test_positions_narrowed_by_a_cast_are_not_0_to_s(narrow, seq):
