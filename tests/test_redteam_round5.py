@@ -318,3 +318,46 @@ def test_a_node_named_like_an_inlined_function_node_is_refused_as_ort_refuses_it
     code, err, out = _cli(model, tmp_path, capsys)
     assert code == 2, err
     assert not out.exists()
+
+
+# ---- load repairs: initializers of one name ---------------------------------------------------------------------------
+
+def _mul_by_k(nodes: list, inits: list) -> onnx.ModelProto:
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("X", FLOAT, [2, 3, 4])],
+                          [oh.make_tensor_value_info("Y", FLOAT, [2, 3, 4])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.xfail(strict=True, reason="red team: two initializers of one name inside an If branch: ORT refuses the "
+                                       "model ('initializer name is not unique'; it keeps the last only in the main "
+                                       "graph), lnfuse keeps the last and accepts it")
+def test_two_initializers_of_one_name_in_a_branch_are_refused_as_ort_refuses_them(tmp_path: Path, capsys):
+    then = oh.make_graph([oh.make_node("Mul", ["X", "k"], ["t"], name="mul")], "then", [],
+                         [oh.make_tensor_value_info("t", FLOAT, [2, 3, 4])],
+                         [onh.from_array(np.array(v, np.float32), "k") for v in (1.0, 5.0)])
+    other = oh.make_graph([oh.make_node("Identity", ["X"], ["e"], name="id")], "else", [],
+                          [oh.make_tensor_value_info("e", FLOAT, [2, 3, 4])])
+    model = _mul_by_k([oh.make_node("If", ["c"], ["Y"], then_branch=then, else_branch=other, name="if")],
+                      [onh.from_array(np.array(True), "c")])
+    with pytest.raises(Exception, match="not unique"):
+        _session(model)
+    code, err, out = _cli(model, tmp_path, capsys)
+    assert code == 2, err
+    assert not out.exists()
+
+
+@pytest.mark.xfail(strict=True, reason="red team: a Constant node whose output has an initializer's name: ORT loads it "
+                                       "and uses the Constant (the latest encountered), lnfuse refuses it (onnx's "
+                                       "checker: not SSA) with exit 2")
+def test_a_constant_node_named_like_an_initializer_is_read_as_ort_reads_it(tmp_path: Path, capsys):
+    model = _mul_by_k([oh.make_node("Constant", [], ["k"], name="k_node",
+                                    value=onh.from_array(np.array([9.0], np.float32))),
+                       oh.make_node("Mul", ["X", "k"], ["Y"], name="mul")],
+                      [onh.from_array(np.array([3.0], np.float32), "k")])
+    feeds = [{"X": RNG.standard_normal((2, 3, 4)).astype(np.float32)}]
+    np.testing.assert_allclose(_session(model).run(None, feeds[0])[0], feeds[0]["X"] * 9.0, rtol=1e-6)
+    code, err, out = _cli(model, tmp_path, capsys)
+    assert code == 0, err
+    _same(model, onnx.load(out), feeds)
