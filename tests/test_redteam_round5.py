@@ -252,13 +252,9 @@ def _softmax_model(imports: list[tuple[str, int]]) -> onnx.ModelProto:
     return model
 
 
-_LAST_WINS = "red team: the default domain imported as both '' and 'ai.onnx' at different versions: ORT runs the " \
-             "version listed last, lnfuse keeps the one of '' and the model it writes computes another Softmax"
-
-
 @pytest.mark.parametrize("imports", [
-    pytest.param([("", 11), ("ai.onnx", 18)], marks=pytest.mark.xfail(strict=True, reason=_LAST_WINS)),
-    pytest.param([("", 18), ("ai.onnx", 11)], marks=pytest.mark.xfail(strict=True, reason=_LAST_WINS)),
+    [("", 11), ("ai.onnx", 18)],
+    [("", 18), ("ai.onnx", 11)],
     [("ai.onnx", 18), ("", 11)],
     [("ai.onnx", 11), ("", 18)],
 ], ids=["default_11_alias_18", "default_18_alias_11", "alias_18_default_11", "alias_11_default_18"])
@@ -283,9 +279,6 @@ def _function_model(function_imports, node_domain: str, model_imports) -> onnx.M
     return model
 
 
-@pytest.mark.xfail(strict=True, reason="red team: ORT does not read 'ai.onnx' as the default domain inside a "
-                                       "model-local function (it refuses to load the model); lnfuse renames it to '' "
-                                       "and accepts the model")
 @pytest.mark.parametrize("function_imports, node_domain", [
     ([("ai.onnx", 11)], ""), ([("ai.onnx", 11)], "ai.onnx"), ([("", 11)], "ai.onnx")],
     ids=["import_alias_node_default", "import_alias_node_alias", "import_default_node_alias"])
@@ -330,9 +323,6 @@ def _mul_by_k(nodes: list, inits: list) -> onnx.ModelProto:
     return model
 
 
-@pytest.mark.xfail(strict=True, reason="red team: two initializers of one name inside an If branch: ORT refuses the "
-                                       "model ('initializer name is not unique'; it keeps the last only in the main "
-                                       "graph), lnfuse keeps the last and accepts it")
 def test_two_initializers_of_one_name_in_a_branch_are_refused_as_ort_refuses_them(tmp_path: Path, capsys):
     then = oh.make_graph([oh.make_node("Mul", ["X", "k"], ["t"], name="mul")], "then", [],
                          [oh.make_tensor_value_info("t", FLOAT, [2, 3, 4])],
@@ -348,9 +338,6 @@ def test_two_initializers_of_one_name_in_a_branch_are_refused_as_ort_refuses_the
     assert not out.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="red team: a Constant node whose output has an initializer's name: ORT loads it "
-                                       "and uses the Constant (the latest encountered), lnfuse refuses it (onnx's "
-                                       "checker: not SSA) with exit 2")
 def test_a_constant_node_named_like_an_initializer_is_read_as_ort_reads_it(tmp_path: Path, capsys):
     model = _mul_by_k([oh.make_node("Constant", [], ["k"], name="k_node",
                                     value=onh.from_array(np.array([9.0], np.float32))),

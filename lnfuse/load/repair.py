@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import onnx
 
 from lnfuse.errors import InputError
-from lnfuse.index.traversal import every_proto_node
 
 
 def repair(proto: onnx.ModelProto, where: str) -> None:
@@ -32,7 +31,7 @@ def repair(proto: onnx.ModelProto, where: str) -> None:
     graphs = [graph for graph, _ in _graphs(proto.graph, frozenset())]
     _declare_missing_domains(proto, graphs)
     _unknown_negative_dims(graphs)
-    _last_initializer_of_each_name(graphs)
+    _last_initializer_of_each_name(proto.graph)
     _initializers_need_not_be_inputs(proto)
 
 
@@ -82,19 +81,20 @@ def runtime_max_ir_version() -> int | None:
 # -- domains and versions ---------------------------------------------------------------------------------------
 
 def _default_domain_spelled_once(proto: onnx.ModelProto) -> None:
-    """"ai.onnx" is the default domain's other name to ORT; onnx's checker knows only "". Nodes and imports say ""
-    (an import of both names keeps the one of "")."""
-    for node in every_proto_node(proto):
-        if node.domain == "ai.onnx":
-            node.domain = ""
-    for imports in (proto.opset_import, *(f.opset_import for f in proto.functions)):
-        has_default = any(i.domain == "" for i in imports)
-        for i in reversed(range(len(imports))):
-            if imports[i].domain == "ai.onnx":
-                if has_default:
-                    del imports[i]
-                else:
-                    imports[i].domain, has_default = "", True
+    """"ai.onnx" is the default domain's other name to ORT in the main graph and its bodies (not in a model-local
+    function, where ORT refuses it, and so does the checker); onnx's checker knows only "". Nodes and imports say "";
+    of two imports of the default domain, ORT runs the one listed last."""
+    for graph, _ in _graphs(proto.graph, frozenset()):
+        for node in graph.node:
+            if node.domain == "ai.onnx":
+                node.domain = ""
+    imports = proto.opset_import
+    default = [i for i, entry in enumerate(imports) if entry.domain in ("", "ai.onnx")]
+    if not any(imports[i].domain == "ai.onnx" for i in default):
+        return
+    imports[default[-1]].domain = ""
+    for i in reversed(default[:-1]):
+        del imports[i]
 
 
 def _functions_at_the_models_opsets(proto: onnx.ModelProto) -> None:
@@ -258,15 +258,18 @@ def _dims(type_proto: onnx.TypeProto) -> Iterator[onnx.TensorShapeProto.Dimensio
 
 # -- initializers -------------------------------------------------------------------------------------------------
 
-def _last_initializer_of_each_name(graphs: list[onnx.GraphProto]) -> None:
-    """Two initializers of one name: ORT uses the one written last (and says so in a warning); keep that one."""
-    for graph in graphs:
-        last = {t.name: i for i, t in enumerate(graph.initializer)}
-        if len(last) == len(graph.initializer):
-            continue
-        kept = [t for i, t in enumerate(graph.initializer) if last[t.name] == i]
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
+def _last_initializer_of_each_name(graph: onnx.GraphProto) -> None:
+    """Two initializers of one name in the main graph, or an initializer and a Constant node's output: ORT uses the
+    one it meets last, the Constant after every initializer (and warns). Keep that one. In a body ORT refuses the
+    duplicate, and the checker refuses it too."""
+    constants = {out for node in graph.node if node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+                 for out in node.output}
+    last = {t.name: i for i, t in enumerate(graph.initializer)}
+    if len(last) == len(graph.initializer) and constants.isdisjoint(last):
+        return
+    kept = [t for i, t in enumerate(graph.initializer) if last[t.name] == i and t.name not in constants]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
 
 
 def _initializers_need_not_be_inputs(proto: onnx.ModelProto) -> None:
