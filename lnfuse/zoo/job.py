@@ -6,7 +6,6 @@ and never fuses, and should not pay a second of imports for it; the workers impo
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import time
@@ -16,9 +15,12 @@ from typing import Callable
 
 from lnfuse.errors import LnfuseError, UsageError, first_line, one_line
 from lnfuse.version import version_line
+from lnfuse.zoo.identity import ModelIdentity, of_model
 
 #: exit codes, the worst of which is the run's (as ``lnfuse check``: 1 means a candidate was left)
 OK, LEFT, BAD, INTERNAL = 0, 1, 2, 3
+#: a resumed model whose files were touched but hold the bytes of its previous row: that row stands
+UNCHANGED = "unchanged"
 #: what an allocation failure says when it does not arrive as a MemoryError (ONNX Runtime, protobuf, C++)
 _OUT_OF_MEMORY = re.compile(r"bad_alloc|out of memory|failed to allocate|cannot allocate memory|MemoryError", re.I)
 
@@ -36,12 +38,13 @@ class Job:
     inputs: str | None = None  # --inputs: an .npz for --verify model
     report: str | None = None  # where this model's JSON report goes, if asked for
     estimate: int = 0  # bytes of memory it is expected to need (admission, Ray's memory resource)
+    resume: dict | None = None  # a previous row's sha256 and data_files, to compare before fusing (see ledger)
 
     def row(self, **fields) -> dict:
         """A ledger row for this model; ``fields`` say how it went."""
         base = {"model": self.relative, "input": self.source, "output": None, "status": "", "exit": INTERNAL,
                 "reason": "", "fused": {}, "refused": 0, "seconds": 0.0, "bytes_in": 0, "bytes_out": 0,
-                "sha256": None, "data_files": [], "lnfuse": version_line(), "options": self.key_options()}
+                "sha256": None, "data_files": None, "stat": None, "lnfuse": version_line(), "options": self.key_options()}
         base.update(fields)
         return base
 
@@ -52,15 +55,23 @@ class Job:
 
 
 def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
-    """Fuse, verify and write one model; its row, whatever happens. ``hashed`` gets the model's identity (hash,
-    data files, size) before the fusing starts, for the row of a model whose worker is then stopped."""
+    """Fuse, verify and write one model; its row, whatever happens. ``hashed`` gets the model's identity as far as it
+    is known before the fusing starts (the model file's hash and stat key), for the row of a model whose worker is
+    then stopped. With ``job.resume`` (a previous row whose files' stat keys changed), a model whose bytes are
+    those of that row is not fused again: its row says ``unchanged``, with the new stat keys."""
     start = time.perf_counter()
     fields: dict = {}
+    model = None
+    data: list[str] | None = None
     try:
-        fields = _content(Path(job.source))
+        model = of_model(Path(job.source))  # the model's bytes, hashed before anything parses them
+        fields = model.early()
+        if job.resume is not None and _same_content(model, job.resume):
+            return job.row(status=UNCHANGED, exit=OK, **model.complete(job.resume["data_files"]))
         if hashed is not None:
             hashed(dict(fields))
-        fields.update(_fuse(job))
+        done, data = _fuse(job)
+        fields.update(done)
     except LnfuseError as error:
         fields.update(status="bad input", exit=error.exit_code, reason=str(error))
     except MemoryError:
@@ -72,14 +83,37 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
         else:
             fields.update(status="internal error", exit=INTERNAL,
                           reason=f"{type(error).__name__}: {text}; please report it with the model")
+    if model is not None:
+        # the data files the fuse's own load admitted; when it failed before saying, a listing of its own (a parse
+        # on the failure path only), so that a rerun can tell whether the failure still holds
+        fields.update(model.complete(data if data is not None else listed_files(Path(job.source))))
     return job.row(seconds=round(time.perf_counter() - start, 3), **fields)
 
 
-def _fuse(job: Job) -> dict:
+def identify(job: Job) -> dict:
+    """The identity fields of a model whose worker was stopped while it fused (``timeout``, ``over memory``), for
+    its row: a rerun under the same limits skips it only if its files are the same."""
+    try:
+        model = of_model(Path(job.source))
+    except LnfuseError:
+        return {}
+    return model.complete(listed_files(Path(job.source)))
+
+
+def _same_content(model: ModelIdentity, previous: dict) -> bool:
+    try:
+        return model.digest(previous["data_files"])[0] == previous["sha256"]
+    except LnfuseError:
+        return False
+
+
+def _fuse(job: Job) -> tuple[dict, list[str] | None]:
+    """The row's fields for the fused model, and the data files its load read (None if that is not known)."""
     from lnfuse.api import fuse  # in the workers, imported once before the first model (see local.py)
 
     inputs = _inputs(job.inputs)
     result = fuse(job.source, inputs=inputs, **job.options)
+    data = _read_files(result.ir_model, Path(job.source))
     report = result.report
     fused = report.fused_counts()
     done = {"fused": fused, "refused": len(report.unfused)}
@@ -90,10 +124,10 @@ def _fuse(job: Job) -> dict:
         said = _OUT_OF_MEMORY.search(starved.reason).group()
         return done | {"status": "over memory", "exit": BAD, "reason": one_line(
             f"ran out of memory verifying {starved.anchor} [{starved.rule}] ({said} in ONNX Runtime); nothing was "
-            "written; raise --max-memory")}
+            "written; raise --max-memory")}, data
     if report.model_check is not None and not report.model_check["ok"]:
         return done | {"status": "differs", "exit": LEFT, "reason": f"the fused model differs from the original "
-                       f"({report.model_check['summary']}); nothing was written, please report this model"}
+                       f"({report.model_check['summary']}); nothing was written, please report this model"}, data
     for path in (job.output, job.report):
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -104,8 +138,21 @@ def _fuse(job: Job) -> dict:
         first = report.unfused[0]
         return done | {"status": "candidates left", "exit": LEFT,
                        "reason": one_line(f"{len(report.unfused)} left, first {first.anchor} [{first.rule}/"
-                                          f"{first.check}] {first.reason}")[:300]}
-    return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}
+                                          f"{first.check}] {first.reason}")[:300]}, data
+    return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}, data
+
+
+def _read_files(model, path: Path) -> list[str] | None:
+    """The data files the fuse's load admitted through its gate (``io.INPUT_FILES``: the model file, then those),
+    relative to the model's real folder. A model that is not that load's (``--upgrade-opset`` keeps a second load
+    of the converted model, whose list holds only the weights' files) is listed again (``listed_files``)."""
+    from lnfuse.load.io import INPUT_FILES
+
+    files = [Path(f) for f in model.meta.get(INPUT_FILES, [])]
+    if not files or files[0] != Path(os.path.abspath(path)):
+        return listed_files(path)
+    folder = os.path.realpath(path.parent)
+    return [os.path.relpath(f, folder) for f in files[1:]]
 
 
 def _inputs(path: str | None) -> dict | None:
@@ -118,18 +165,15 @@ def _inputs(path: str | None) -> dict | None:
         raise UsageError(f"{path}: cannot read inputs ({error}); give an .npz of input name -> array") from None
 
 
-def _content(path: Path) -> dict:
-    """The model's identity for resuming: a hash of its bytes and of each data file it reads (which are only
-    known once its references passed the trust checks), and how many bytes that is."""
+def listed_files(path: Path) -> list[str] | None:
+    """The data files ``path`` reads, by a parse of its own, or None when it cannot be told (the model does not
+    parse, or the gate refuses one of its references)."""
     try:
-        names = data_files(path)
-    except LnfuseError:
-        names = []
-        if not path.is_file():
-            raise
-    digest = content_digest(path, names)
-    size = path.stat().st_size + sum((path.parent / n).stat().st_size for n in names)
-    return {"sha256": digest, "data_files": names, "bytes_in": size}
+        return data_files(path)
+    except (LnfuseError, MemoryError):
+        return None
+    except Exception:  # noqa: BLE001 - whatever the parse raises, the data files are unknown, and so is the hash
+        return None
 
 
 def data_files(path: Path) -> list[str]:
@@ -142,23 +186,6 @@ def data_files(path: Path) -> list[str]:
     gate = Gate(path.parent, str(path))
     gate.admit_all(proto, lnfuse_made=weights.holds if weights is not None else None, read_inline=False)
     return [os.path.relpath(f, gate.folder) for f in gate.files()]
-
-
-def content_digest(path: Path, data_files: list[str]) -> str | None:
-    """sha256 over the model file and its data files (named relative to its folder), or None when one of them
-    is no longer a regular file inside the model's folder (then nothing is skipped on its account)."""
-    digest = hashlib.sha256()
-    folder = os.path.realpath(path.parent)
-    for name in ["", *data_files]:
-        file = path if not name else path.parent / name
-        real = os.path.realpath(file)
-        if not os.path.isfile(real) or (name and not real.startswith(folder + os.sep)):
-            return None
-        digest.update(name.encode() + b"\0")
-        with open(real, "rb") as stream:
-            while chunk := stream.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _written_bytes(output: Path, layout: str, external: bool) -> int:
