@@ -132,8 +132,9 @@ def _fuse(job: Job) -> tuple[dict, list[str] | None]:
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     result.save(job.output, in_place=job.in_place, external_data=job.external_data, report=job.report)
-    done |= {"output": job.output, "bytes_out": _written_bytes(Path(job.output), job.external_data,
-                                                                 result.has_external_data)}
+    written = _written_bytes(Path(job.output), job.external_data, result.ir_model) if result.has_external_data \
+        else Path(job.output).stat().st_size
+    done |= {"output": job.output, "bytes_out": written}
     if report.unfused:
         first = report.unfused[0]
         return done | {"status": "candidates left", "exit": LEFT,
@@ -188,16 +189,22 @@ def data_files(path: Path) -> list[str]:
     return [os.path.relpath(f, gate.folder) for f in gate.files()]
 
 
-def _written_bytes(output: Path, layout: str, external: bool) -> int:
-    """The output and the data files written with it (``keep``: the input's, copied beside it when elsewhere)."""
+def _written_bytes(output: Path, layout: str, model) -> int:
+    """The output and the data files written with it (``keep``: the files its weights name, copied beside it when
+    elsewhere), told from the fused model in memory: the output is not parsed again to find them."""
     total = output.stat().st_size
-    if not external:
-        return total
     if layout == "single":
         data = output.with_name(output.name + ".data")
         return total + (data.stat().st_size if data.exists() else 0)
-    try:
-        files = data_files(output)
-    except LnfuseError:
-        return total
-    return total + sum((output.parent / f).stat().st_size for f in files)
+    return total + sum((output.parent / name).stat().st_size for name in _kept_files(model))
+
+
+def _kept_files(model) -> set[str]:
+    """The files the external tensors left in ``model`` name: the main graph's weights (the gate inlined
+    everything else at load), as initializers or as Constant values."""
+    import onnx_ir as ir
+
+    tensors = [value.const_value for value in model.graph.initializers.values()]
+    tensors += [attribute.value for node in model.graph if node.op_type == "Constant"
+                and (attribute := node.attributes.get("value")) is not None]
+    return {str(t.location) for t in tensors if isinstance(t, ir.ExternalTensor)}
