@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lnfuse.errors import InputError, LnfuseError
@@ -38,6 +38,9 @@ class ModelIdentity:
     path: Path
     prefix: hashlib._Hash  # sha256 over b"\\0" + the model's bytes: the digest's start, whatever data files follow
     key: list[int]
+    #: digests already taken, by data files: a resumed model whose hash was compared before it was fused again
+    #: with the same data files is not hashed twice
+    _taken: dict[tuple[str, ...], tuple[str, list[list]]] = field(default_factory=dict)
 
     def early(self) -> dict:
         """The row's identity fields while the data files it reads are not known yet (sent before fusing, for the
@@ -62,6 +65,8 @@ class ModelIdentity:
         the gate refuses a data file."""
         from lnfuse.load.gate import Gate  # in a worker only: the driver compares stat keys, it never hashes
 
+        if tuple(data_files) in self._taken:
+            return self._taken[tuple(data_files)]
         digest, keys = self.prefix.copy(), [["", *self.key]]
         gate = Gate(self.path.parent, str(self.path))
         for name in data_files:
@@ -71,7 +76,8 @@ class ModelIdentity:
                 digest.update(name.encode() + b"\0")
                 while chunk := stream.read(_CHUNK):
                     digest.update(chunk)
-        return digest.hexdigest(), keys
+        self._taken[tuple(data_files)] = digest.hexdigest(), keys
+        return self._taken[tuple(data_files)]
 
 
 def of_model(path: Path) -> ModelIdentity:

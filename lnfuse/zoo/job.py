@@ -1,4 +1,4 @@
-"""One model's work, the same in a local worker and in a Ray task: fuse it exactly as ``lnfuse model -o out``
+"""One model's work, the same in a local worker and in a Ray actor's: fuse it exactly as ``lnfuse model -o out``
 does, save it with ``FuseResult.save``, and return its ledger row. Every failure becomes a row; nothing raises.
 
 The optimizer is imported inside the functions that run it: the process that schedules the jobs builds ``Job``s
