@@ -62,7 +62,6 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
     start = time.perf_counter()
     fields: dict = {}
     model = None
-    data: list[str] | None = None
     try:
         model = of_model(Path(job.source))  # the model's bytes, hashed before anything parses them
         fields = model.early()
@@ -70,8 +69,7 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
             return job.row(status=UNCHANGED, exit=OK, **model.complete(job.resume["data_files"]))
         if hashed is not None:
             hashed(dict(fields))
-        done, data = _fuse(job)
-        fields.update(done)
+        fields.update(_fuse(job, model))
     except LnfuseError as error:
         fields.update(status="bad input", exit=error.exit_code, reason=str(error))
     except MemoryError:
@@ -83,10 +81,10 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
         else:
             fields.update(status="internal error", exit=INTERNAL,
                           reason=f"{type(error).__name__}: {text}; please report it with the model")
-    if model is not None:
-        # the data files the fuse's own load admitted; when it failed before saying, a listing of its own (a parse
-        # on the failure path only), so that a rerun can tell whether the failure still holds
-        fields.update(model.complete(data if data is not None else listed_files(Path(job.source))))
+    if model is not None and fields.get("sha256") is None:
+        # the fuse failed before its load said which data files it read: a listing of its own (a parse on the
+        # failure path only), so that a rerun can tell whether the failure still holds
+        fields.update(model.complete(listed_files(Path(job.source))))
     return job.row(seconds=round(time.perf_counter() - start, 3), **fields)
 
 
@@ -107,16 +105,17 @@ def _same_content(model: ModelIdentity, previous: dict) -> bool:
         return False
 
 
-def _fuse(job: Job) -> tuple[dict, list[str] | None]:
-    """The row's fields for the fused model, and the data files its load read (None if that is not known)."""
+def _fuse(job: Job, model: ModelIdentity) -> dict:
+    """The row's fields for the fused model, its identity included: the data files its load read are hashed before
+    anything is written, so that a model stopped while hashing (past --timeout) has no output."""
     from lnfuse.api import fuse  # in the workers, imported once before the first model (see local.py)
 
     inputs = _inputs(job.inputs)
     result = fuse(job.source, inputs=inputs, **job.options)
-    data = _read_files(result.ir_model, Path(job.source))
     report = result.report
     fused = report.fused_counts()
-    done = {"fused": fused, "refused": len(report.unfused)}
+    done = model.complete(_read_files(result.ir_model, Path(job.source)))
+    done |= {"fused": fused, "refused": len(report.unfused)}
     starved = next((u for u in report.unfused if _OUT_OF_MEMORY.search(u.reason)), None)
     if starved is not None:
         # a check that could not run for lack of memory is no verdict on the model: written, the output would
@@ -124,10 +123,10 @@ def _fuse(job: Job) -> tuple[dict, list[str] | None]:
         said = _OUT_OF_MEMORY.search(starved.reason).group()
         return done | {"status": "over memory", "exit": BAD, "reason": one_line(
             f"ran out of memory verifying {starved.anchor} [{starved.rule}] ({said} in ONNX Runtime); nothing was "
-            "written; raise --max-memory")}, data
+            "written; raise --max-memory")}
     if report.model_check is not None and not report.model_check["ok"]:
         return done | {"status": "differs", "exit": LEFT, "reason": f"the fused model differs from the original "
-                       f"({report.model_check['summary']}); nothing was written, please report this model"}, data
+                       f"({report.model_check['summary']}); nothing was written, please report this model"}
     for path in (job.output, job.report):
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -139,8 +138,8 @@ def _fuse(job: Job) -> tuple[dict, list[str] | None]:
         first = report.unfused[0]
         return done | {"status": "candidates left", "exit": LEFT,
                        "reason": one_line(f"{len(report.unfused)} left, first {first.anchor} [{first.rule}/"
-                                          f"{first.check}] {first.reason}")[:300]}, data
-    return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}, data
+                                          f"{first.check}] {first.reason}")[:300]}
+    return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}
 
 
 def _read_files(model, path: Path) -> list[str] | None:
