@@ -356,16 +356,27 @@ def test_the_resume_hash_reads_data_files_only_through_the_gate(tmp_path: Path, 
     assert row["sha256"] is None and row["data_files"] is None, "no hash of what the gate refused"
 
 
-def _actors_running_a_model() -> list[int]:
-    """The processes of Ray actors inside ``Runner.run`` (Ray names them in their command line)."""
-    pids = []
+def _actors_running_a_model(root: int) -> list[int]:
+    """The processes under ``root`` that are Ray actors inside ``Runner.run`` (Ray names them in their command
+    line). Only ``root``'s: another run's actors on the same machine are none of this test's business."""
+    parents, names = {}, {}
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and Path(f"/proc/{entry}/cmdline").read_bytes().startswith(b"ray::Runner.run"):
-                pids.append(int(entry))
-        except OSError:
+            if entry.isdigit():
+                status = Path(f"/proc/{entry}/status").read_text()
+                parents[int(entry)] = int(status.split("PPid:")[1].split()[0])
+                names[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
             continue
-    return pids
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parents.get(pid, 0)
+        return False
+
+    return [pid for pid, name in names.items() if name.startswith(b"ray::Runner.run") and under(pid)]
 
 
 def test_ray_actors_keep_a_model_s_failure_its_own(tmp_path: Path):
@@ -384,7 +395,7 @@ def test_ray_actors_keep_a_model_s_failure_its_own(tmp_path: Path):
     deadline = time.monotonic() + 300
     while not (book.exists() and book.read_text().count("\n") >= 4) and time.monotonic() < deadline:
         time.sleep(0.1)
-    holding = _actors_running_a_model()
+    holding = _actors_running_a_model(run.pid)
     assert len(holding) == 1, "only the slow model is left, on one actor"
     os.kill(holding[0], signal.SIGKILL)
     stdout, stderr = run.communicate(timeout=300)

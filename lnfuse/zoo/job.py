@@ -44,7 +44,8 @@ class Job:
         """A ledger row for this model; ``fields`` say how it went."""
         base = {"model": self.relative, "input": self.source, "output": None, "status": "", "exit": INTERNAL,
                 "reason": "", "fused": {}, "refused": 0, "seconds": 0.0, "bytes_in": 0, "bytes_out": 0,
-                "sha256": None, "data_files": None, "stat": None, "lnfuse": version_line(), "options": self.key_options()}
+                "sha256": None, "data_files": None, "stat": None, "lnfuse": version_line(),
+                "options": self.key_options()}
         base.update(fields)
         return base
 
