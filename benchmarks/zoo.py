@@ -13,7 +13,10 @@ Every mode runs every model with the same limits, ``--timeout 20`` and ``--max-m
 * ``loop``   a shell loop of single ``lnfuse -q model -o out`` commands, each under coreutils ``timeout 20`` and
              ``ulimit -d`` (the same RLIMIT_DATA the workers set);
 * ``jobs1``, ``jobs2``  ``lnfuse models/ -o out --jobs N``;
-* ``ray``    ``lnfuse models/ -o out --ray --jobs 2`` (a new local Ray instance, its start included).
+* ``ray``    ``lnfuse models/ -o out --ray --jobs 2`` (a new local Ray instance, its start included);
+* ``ray1``   the same with ``--jobs 1`` (one actor: against ``jobs1``, what Ray costs);
+* ``resume`` ``jobs2``'s command again on its finished output: every model taken from the ledger (stat keys
+             compared, nothing hashed), so this is the cost of resuming a finished run.
 
 Before and after the runs, how much more CPU-bound work two processes get done than one (2.0 on two free cores;
 a shared VM may give less, and then no pool can show 1.8x). Measured per mode: wall time, the peak of the summed
@@ -130,15 +133,19 @@ def loop_script(root: Path, out: Path, models: list[str]) -> str:
 
 
 def run_mode(mode: str, root: Path, out: Path, models: list[str]) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
-    for leftover in (out.parent / f"{out.name}.codes", out.parent / f"{out.name}.stderr"):
-        leftover.unlink(missing_ok=True)
-    out.mkdir(parents=True)
+    if mode != "resume":
+        shutil.rmtree(out, ignore_errors=True)
+        for leftover in (out.parent / f"{out.name}.codes", out.parent / f"{out.name}.stderr"):
+            leftover.unlink(missing_ok=True)
+        out.mkdir(parents=True)
     limits = ["--timeout", str(TIMEOUT), "--max-memory", MAX_MEMORY]
     if mode == "loop":
         command = ["bash", "-c", loop_script(root, out, models)]
-    elif mode == "ray":
-        command = [sys.executable, "-m", "lnfuse.cli", str(root), "-o", str(out), "--ray", "--jobs", "2", *limits]
+    elif mode in ("ray", "ray1"):
+        command = [sys.executable, "-m", "lnfuse.cli", str(root), "-o", str(out), "--ray", "--jobs",
+                   "1" if mode == "ray1" else "2", *limits]
+    elif mode == "resume":
+        command = [sys.executable, "-m", "lnfuse.cli", str(root), "-o", str(out), "--jobs", "2", *limits]
     else:
         command = [sys.executable, "-m", "lnfuse.cli", str(root), "-o", str(out), "--jobs", mode[-1], *limits]
     load_before = os.getloadavg()[0]
@@ -203,7 +210,7 @@ def main() -> None:
     results = {}
     for mode in args.modes.split(","):
         print(f"running {mode} ...", flush=True)
-        results[mode] = run_mode(mode, root, args.out / f"out-{mode}", models)
+        results[mode] = run_mode(mode, root, args.out / f"out-{'jobs2' if mode == 'resume' else mode}", models)
         if results[mode]["exit"] not in (2,):  # the bad models make every run's exit code 2
             print(f"  {mode}: exit {results[mode]['exit']}: {results[mode]['stderr'][-500:]}")
     reference = args.out / "out-loop"
@@ -212,7 +219,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     loop_seconds = results["loop"]["seconds"] if "loop" in results else None
     for mode, result in results.items():
-        workers = 1 if mode in ("loop", "jobs1") else 2
+        workers = 1 if mode in ("loop", "jobs1", "ray1") else 2
         problems = check(result, models, reference) if mode != "loop" else _loop_problems(result, models)
         speed = f"{loop_seconds / result['seconds']:.2f}x" if loop_seconds else "-"
         print(f"| {mode} | {result['seconds']:.1f} | {len(models) / result['seconds']:.2f} | {speed} | "
@@ -226,11 +233,19 @@ def main() -> None:
         ratio = results["jobs1"]["seconds"] / results["jobs2"]["seconds"]
         print(f"{'PASS' if ratio >= 1.8 else 'FAIL'}: --jobs 2 is {ratio:.2f}x --jobs 1 (target 1.8x; two spinning "
               f"processes did {capacity[0]:.2f}x and {capacity[1]:.2f}x the work of one before and after the runs)")
+    if "jobs1" in results and "ray1" in results:
+        print(f"--ray --jobs 1 is {results['jobs1']['seconds'] / results['ray1']['seconds']:.2f}x --jobs 1 (Ray's "
+              "start and scheduling included)")
+    if "resume" in results:
+        taken = "every model" if f"{len(models)} model(s) taken from the ledger" in results["resume"]["stdout"] \
+            else "NOT every model"
+        print(f"resuming the finished --jobs 2 run took {results['resume']['seconds']:.1f} s ({taken} taken from "
+              "the ledger)")
     if "jobs1" in results and loop_seconds:
         ratio = loop_seconds / results["jobs1"]["seconds"]
         print(f"{'PASS' if ratio >= 3 else 'FAIL'}: --jobs 1 is {ratio:.2f}x the shell loop (target 3x)")
     for mode, result in results.items():
-        workers = 1 if mode in ("loop", "jobs1") else 2
+        workers = 1 if mode in ("loop", "jobs1", "ray1") else 2
         if mode != "loop":
             ok = result["peak"] < workers * MAX_MEMORY_BYTES
             print(f"{'PASS' if ok else 'FAIL'}: {mode} peak {result['peak'] / 2**30:.2f} GB under "

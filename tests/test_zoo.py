@@ -273,3 +273,135 @@ def test_ray_runs_the_same_jobs(tree: Path, tmp_path: Path):
     for name in QUICK[:3]:
         assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
     assert rows_by_model(tmp_path / "ray")["bad.onnx"]["status"] == "bad input"
+
+
+def test_one_parse_serves_the_fuse_and_the_hash(tmp_path: Path, monkeypatch):
+    """The worker hashes the model's bytes and takes its data files from the fuse's own load: the model is parsed
+    once, and the hash is the one earlier ledgers hold (so they still resume)."""
+    import hashlib
+    from lnfuse.load import io
+    from lnfuse.zoo.job import Job, run
+
+    model = external_model(tmp_path / "in")
+    parsed = []
+    read_proto = io.read_proto
+    monkeypatch.setattr(io, "read_proto", lambda path: parsed.append(path) or read_proto(path))
+    row = run(Job(str(model), str(tmp_path / "out" / "ext.onnx"), "ext.onnx"))
+    assert row["status"] == "fused" and len(parsed) == 1, (row, parsed)
+    expected = hashlib.sha256(b"\0" + model.read_bytes() + b"ext.data\0" + (model.parent / "ext.data").read_bytes())
+    assert row["sha256"] == expected.hexdigest() and row["data_files"] == ["ext.data"]
+    assert [key[0] for key in row["stat"]] == ["", "ext.data"] and row["bytes_in"] == \
+        model.stat().st_size + (model.parent / "ext.data").stat().st_size
+    written = tmp_path / "out" / "ext.onnx"
+    assert row["bytes_out"] == written.stat().st_size + (written.parent / "ext.data").stat().st_size
+
+
+def test_resume_compares_stat_keys_and_hashes_only_touched_models(tmp_path: Path):
+    models = tmp_path / "models"
+    copy_samples(models, QUICK[:3])
+    external_model(models / "ext")
+    out = tmp_path / "out"
+    assert lnfuse(str(models), "-o", str(out), "--jobs", "2").returncode == 0
+    first = rows_by_model(out)
+    shutil.copyfile(models / QUICK[1], models / QUICK[0])  # edited: other bytes
+    os.utime(models / QUICK[2])  # touched: same bytes, new mtime
+    data = models / "ext" / "ext.data"  # edited in place, its size and mtime put back: only ctime tells
+    before = data.stat()
+    blob = bytearray(data.read_bytes())
+    blob[:4] = bytes(4)  # gamma0[0] = 0.0
+    data.write_bytes(bytes(blob))
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+    proc = lnfuse(str(models), "-o", str(out), "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr
+    rows = ledger(out)[len(first):]
+    assert sorted(r["model"] for r in rows) == sorted([QUICK[0], QUICK[2], "ext/ext.onnx"]), \
+        "the model whose stat key did not change is not even hashed again"
+    again = {r["model"]: r for r in rows}
+    assert again[QUICK[0]]["sha256"] != first[QUICK[0]]["sha256"], "the edited model ran again"
+    assert again["ext/ext.onnx"]["sha256"] != first["ext/ext.onnx"]["sha256"], "so did the one whose data changed"
+    assert (out / "ext" / "ext.data").read_bytes() == data.read_bytes()
+    touched = {k: v for k, v in again[QUICK[2]].items() if k != "stat"}
+    assert touched == {k: v for k, v in first[QUICK[2]].items() if k != "stat"}, \
+        "the touched model was hashed, found the same, and its row stands with the new stat keys"
+    assert "2 model(s) taken from the ledger" in proc.stdout
+    third = lnfuse(str(models), "-o", str(out), "--jobs", "2")
+    assert "4 model(s) taken from the ledger" in third.stdout and len(ledger(out)) == len(first) + 3
+
+
+@pytest.mark.parametrize("hostile", ["fifo", "link out", "hard link"])
+def test_the_resume_hash_reads_data_files_only_through_the_gate(tmp_path: Path, hostile: str):
+    """A model folder turned hostile after a first run: the data file becomes a FIFO (a read would block), a link
+    out of the folder, or a hard link to a file outside holding the same bytes (a read would find the same hash,
+    and keep a row that is no longer true). The rerun reads none of them and says why."""
+    models, outside = tmp_path / "models", tmp_path / "outside"
+    external_model(models)
+    out = tmp_path / "out"
+    assert lnfuse(str(models), "-o", str(out), "--jobs", "1").returncode == 0
+    data = models / "ext.data"
+    outside.mkdir()
+    secret = outside / "secret.data"
+    secret.write_bytes(data.read_bytes())
+    data.unlink()
+    if hostile == "fifo":
+        os.mkfifo(data)
+    elif hostile == "link out":
+        data.symlink_to(secret)
+    else:
+        os.link(secret, data)
+    proc = lnfuse(str(models), "-o", str(out), "--jobs", "1", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    row = ledger(out)[-1]
+    said = {"fifo": "not a regular file", "link out": "outside the model's folder", "hard link": "hard links"}
+    assert row["status"] == "bad input" and said[hostile] in row["reason"], row
+    assert row["sha256"] is None and row["data_files"] is None, "no hash of what the gate refused"
+
+
+def _actors_running_a_model(root: int) -> list[int]:
+    """The processes under ``root`` that are Ray actors inside ``Runner.run`` (Ray names them in their command
+    line). Only ``root``'s: another run's actors on the same machine are none of this test's business."""
+    parents, names = {}, {}
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit():
+                status = Path(f"/proc/{entry}/status").read_text()
+                parents[int(entry)] = int(status.split("PPid:")[1].split()[0])
+                names[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parents.get(pid, 0)
+        return False
+
+    return [pid for pid, name in names.items() if name.startswith(b"ray::Runner.run") and under(pid)]
+
+
+def test_ray_actors_keep_a_model_s_failure_its_own(tmp_path: Path):
+    """On Ray, a model past its time or memory ends its actor's worker, not the actor; an actor that is lost (killed
+    here while it holds the slow model) is replaced and its model runs again on the new one."""
+    pytest.importorskip("ray")
+    models = tmp_path / "models"
+    copy_samples(models, QUICK[:3])
+    slow_model(models / "slow.onnx")
+    memory_hog(models / "hog.onnx")
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-m", "lnfuse.cli", str(models), "-o", str(out), "--ray", "--jobs", "2",
+                            "--timeout", "20", "--max-memory", "1G"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    book = out / "lnfuse-ledger.jsonl"
+    deadline = time.monotonic() + 300
+    while not (book.exists() and book.read_text().count("\n") >= 4) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    holding = _actors_running_a_model(run.pid)
+    assert len(holding) == 1, "only the slow model is left, on one actor"
+    os.kill(holding[0], signal.SIGKILL)
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 2, stderr
+    rows = rows_by_model(out)
+    assert all(rows[name]["status"] == "fused" for name in QUICK[:3])
+    assert rows["hog.onnx"]["status"] == "over memory", rows["hog.onnx"]
+    assert rows["slow.onnx"]["status"] == "timeout" and rows["slow.onnx"]["sha256"], rows["slow.onnx"]
+    assert len(ledger(out)) == 5 and "Traceback" not in stderr

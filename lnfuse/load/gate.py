@@ -95,6 +95,12 @@ class Gate:
                              "file; the file is truncated or not this model's")
         return offset, length
 
+    def admit_file(self, location: str) -> None:
+        """Admit a data file by its location alone, with the same checks as a tensor's (inside the folder, links
+        followed; a regular file of one link), so that ``open`` may read it: for readers of whole files, such as
+        the content hash a many-model run records for resuming."""
+        self._file(location, f"{self.where}: data file {location!r}")
+
     def _file(self, location: str, said: str) -> _File:
         if location in self._files:
             return self._files[location]

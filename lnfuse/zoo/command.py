@@ -4,6 +4,7 @@ command line to the closing table and the exit code."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 from lnfuse.errors import UsageError
 from lnfuse.version import version_line
 from lnfuse.zoo.inputs import expand
-from lnfuse.zoo.job import Job
+from lnfuse.zoo.job import UNCHANGED, Job
 from lnfuse.zoo.ledger import Ledger
 from lnfuse.zoo.limits import estimate
 from lnfuse.zoo.progress import Progress
@@ -44,10 +45,12 @@ def run(args: argparse.Namespace) -> int:
     limits = {"timeout": args.timeout, "max_memory": args.max_memory}
     version = version_line()
     rows: dict[str, dict] = {}
-    for job in jobs:
-        row = ledger.finished(job, version, limits)
-        if row is not None:
+    for i, job in enumerate(jobs):
+        row, stands = ledger.finished(job, version, limits)
+        if stands:
             rows[job.source] = row
+        elif row is not None:  # its files were touched: a worker compares the hash before fusing it again
+            jobs[i] = dataclasses.replace(job, resume={"sha256": row["sha256"], "data_files": row["data_files"]})
     resumed = len(rows)
     quiet = args.quiet or args.json
     progress = Progress(len(jobs), quiet=quiet)
@@ -57,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     progress.resumed(resumed)
 
     def finished(row: dict) -> None:
+        nonlocal resumed
+        if row["status"] == UNCHANGED:  # the same bytes as its previous row, which stands, with the new stat keys
+            row = {**ledger.rows[row["input"]], **{k: row[k] for k in ("sha256", "data_files", "stat")}}
+            resumed += 1
         row["limits"] = limits
         ledger.append(row)
         rows[row["input"]] = row

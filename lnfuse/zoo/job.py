@@ -1,4 +1,4 @@
-"""One model's work, the same in a local worker and in a Ray task: fuse it exactly as ``lnfuse model -o out``
+"""One model's work, the same in a local worker and in a Ray actor's: fuse it exactly as ``lnfuse model -o out``
 does, save it with ``FuseResult.save``, and return its ledger row. Every failure becomes a row; nothing raises.
 
 The optimizer is imported inside the functions that run it: the process that schedules the jobs builds ``Job``s
@@ -6,7 +6,6 @@ and never fuses, and should not pay a second of imports for it; the workers impo
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import time
@@ -16,9 +15,12 @@ from typing import Callable
 
 from lnfuse.errors import LnfuseError, UsageError, first_line, one_line
 from lnfuse.version import version_line
+from lnfuse.zoo.identity import ModelIdentity, of_model
 
 #: exit codes, the worst of which is the run's (as ``lnfuse check``: 1 means a candidate was left)
 OK, LEFT, BAD, INTERNAL = 0, 1, 2, 3
+#: a resumed model whose files were touched but hold the bytes of its previous row: that row stands
+UNCHANGED = "unchanged"
 #: what an allocation failure says when it does not arrive as a MemoryError (ONNX Runtime, protobuf, C++)
 _OUT_OF_MEMORY = re.compile(r"bad_alloc|out of memory|failed to allocate|cannot allocate memory|MemoryError", re.I)
 
@@ -36,12 +38,14 @@ class Job:
     inputs: str | None = None  # --inputs: an .npz for --verify model
     report: str | None = None  # where this model's JSON report goes, if asked for
     estimate: int = 0  # bytes of memory it is expected to need (admission, Ray's memory resource)
+    resume: dict | None = None  # a previous row's sha256 and data_files, to compare before fusing (see ledger)
 
     def row(self, **fields) -> dict:
         """A ledger row for this model; ``fields`` say how it went."""
         base = {"model": self.relative, "input": self.source, "output": None, "status": "", "exit": INTERNAL,
                 "reason": "", "fused": {}, "refused": 0, "seconds": 0.0, "bytes_in": 0, "bytes_out": 0,
-                "sha256": None, "data_files": [], "lnfuse": version_line(), "options": self.key_options()}
+                "sha256": None, "data_files": None, "stat": None, "lnfuse": version_line(),
+                "options": self.key_options()}
         base.update(fields)
         return base
 
@@ -52,15 +56,21 @@ class Job:
 
 
 def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
-    """Fuse, verify and write one model; its row, whatever happens. ``hashed`` gets the model's identity (hash,
-    data files, size) before the fusing starts, for the row of a model whose worker is then stopped."""
+    """Fuse, verify and write one model; its row, whatever happens. ``hashed`` gets the model's identity as far as it
+    is known before the fusing starts (the model file's hash and stat key), for the row of a model whose worker is
+    then stopped. With ``job.resume`` (a previous row whose files' stat keys changed), a model whose bytes are
+    those of that row is not fused again: its row says ``unchanged``, with the new stat keys."""
     start = time.perf_counter()
     fields: dict = {}
+    model = None
     try:
-        fields = _content(Path(job.source))
+        model = of_model(Path(job.source))  # the model's bytes, hashed before anything parses them
+        fields = model.early()
+        if job.resume is not None and _same_content(model, job.resume):
+            return job.row(status=UNCHANGED, exit=OK, **model.complete(job.resume["data_files"]))
         if hashed is not None:
             hashed(dict(fields))
-        fields.update(_fuse(job))
+        fields.update(_fuse(job, model))
     except LnfuseError as error:
         fields.update(status="bad input", exit=error.exit_code, reason=str(error))
     except MemoryError:
@@ -72,17 +82,41 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
         else:
             fields.update(status="internal error", exit=INTERNAL,
                           reason=f"{type(error).__name__}: {text}; please report it with the model")
+    if model is not None and fields.get("sha256") is None:
+        # the fuse failed before its load said which data files it read: a listing of its own (a parse on the
+        # failure path only), so that a rerun can tell whether the failure still holds
+        fields.update(model.complete(listed_files(Path(job.source))))
     return job.row(seconds=round(time.perf_counter() - start, 3), **fields)
 
 
-def _fuse(job: Job) -> dict:
+def identify(job: Job) -> dict:
+    """The identity fields of a model whose worker was stopped while it fused (``timeout``, ``over memory``), for
+    its row: a rerun under the same limits skips it only if its files are the same."""
+    try:
+        model = of_model(Path(job.source))
+    except LnfuseError:
+        return {}
+    return model.complete(listed_files(Path(job.source)))
+
+
+def _same_content(model: ModelIdentity, previous: dict) -> bool:
+    try:
+        return model.digest(previous["data_files"])[0] == previous["sha256"]
+    except LnfuseError:
+        return False
+
+
+def _fuse(job: Job, model: ModelIdentity) -> dict:
+    """The row's fields for the fused model, its identity included: the data files its load read are hashed before
+    anything is written, so that a model stopped while hashing (past --timeout) has no output."""
     from lnfuse.api import fuse  # in the workers, imported once before the first model (see local.py)
 
     inputs = _inputs(job.inputs)
     result = fuse(job.source, inputs=inputs, **job.options)
     report = result.report
     fused = report.fused_counts()
-    done = {"fused": fused, "refused": len(report.unfused)}
+    done = model.complete(_read_files(result.ir_model, Path(job.source)))
+    done |= {"fused": fused, "refused": len(report.unfused)}
     starved = next((u for u in report.unfused if _OUT_OF_MEMORY.search(u.reason)), None)
     if starved is not None:
         # a check that could not run for lack of memory is no verdict on the model: written, the output would
@@ -98,14 +132,28 @@ def _fuse(job: Job) -> dict:
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     result.save(job.output, in_place=job.in_place, external_data=job.external_data, report=job.report)
-    done |= {"output": job.output, "bytes_out": _written_bytes(Path(job.output), job.external_data,
-                                                                 result.has_external_data)}
+    written = _written_bytes(Path(job.output), job.external_data, result.ir_model) if result.has_external_data \
+        else Path(job.output).stat().st_size
+    done |= {"output": job.output, "bytes_out": written}
     if report.unfused:
         first = report.unfused[0]
         return done | {"status": "candidates left", "exit": LEFT,
                        "reason": one_line(f"{len(report.unfused)} left, first {first.anchor} [{first.rule}/"
                                           f"{first.check}] {first.reason}")[:300]}
     return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}
+
+
+def _read_files(model, path: Path) -> list[str] | None:
+    """The data files the fuse's load admitted through its gate (``io.INPUT_FILES``: the model file, then those),
+    relative to the model's real folder. A model that is not that load's (``--upgrade-opset`` keeps a second load
+    of the converted model, whose list holds only the weights' files) is listed again (``listed_files``)."""
+    from lnfuse.load.io import INPUT_FILES
+
+    files = [Path(f) for f in model.meta.get(INPUT_FILES, [])]
+    if not files or files[0] != Path(os.path.abspath(path)):
+        return listed_files(path)
+    folder = os.path.realpath(path.parent)
+    return [os.path.relpath(f, folder) for f in files[1:]]
 
 
 def _inputs(path: str | None) -> dict | None:
@@ -118,18 +166,15 @@ def _inputs(path: str | None) -> dict | None:
         raise UsageError(f"{path}: cannot read inputs ({error}); give an .npz of input name -> array") from None
 
 
-def _content(path: Path) -> dict:
-    """The model's identity for resuming: a hash of its bytes and of each data file it reads (which are only
-    known once its references passed the trust checks), and how many bytes that is."""
+def listed_files(path: Path) -> list[str] | None:
+    """The data files ``path`` reads, by a parse of its own, or None when it cannot be told (the model does not
+    parse, or the gate refuses one of its references)."""
     try:
-        names = data_files(path)
-    except LnfuseError:
-        names = []
-        if not path.is_file():
-            raise
-    digest = content_digest(path, names)
-    size = path.stat().st_size + sum((path.parent / n).stat().st_size for n in names)
-    return {"sha256": digest, "data_files": names, "bytes_in": size}
+        return data_files(path)
+    except (LnfuseError, MemoryError):
+        return None
+    except Exception:  # noqa: BLE001 - whatever the parse raises, the data files are unknown, and so is the hash
+        return None
 
 
 def data_files(path: Path) -> list[str]:
@@ -144,33 +189,22 @@ def data_files(path: Path) -> list[str]:
     return [os.path.relpath(f, gate.folder) for f in gate.files()]
 
 
-def content_digest(path: Path, data_files: list[str]) -> str | None:
-    """sha256 over the model file and its data files (named relative to its folder), or None when one of them
-    is no longer a regular file inside the model's folder (then nothing is skipped on its account)."""
-    digest = hashlib.sha256()
-    folder = os.path.realpath(path.parent)
-    for name in ["", *data_files]:
-        file = path if not name else path.parent / name
-        real = os.path.realpath(file)
-        if not os.path.isfile(real) or (name and not real.startswith(folder + os.sep)):
-            return None
-        digest.update(name.encode() + b"\0")
-        with open(real, "rb") as stream:
-            while chunk := stream.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _written_bytes(output: Path, layout: str, external: bool) -> int:
-    """The output and the data files written with it (``keep``: the input's, copied beside it when elsewhere)."""
+def _written_bytes(output: Path, layout: str, model) -> int:
+    """The output and the data files written with it (``keep``: the files its weights name, copied beside it when
+    elsewhere), told from the fused model in memory: the output is not parsed again to find them."""
     total = output.stat().st_size
-    if not external:
-        return total
     if layout == "single":
         data = output.with_name(output.name + ".data")
         return total + (data.stat().st_size if data.exists() else 0)
-    try:
-        files = data_files(output)
-    except LnfuseError:
-        return total
-    return total + sum((output.parent / f).stat().st_size for f in files)
+    return total + sum((output.parent / name).stat().st_size for name in _kept_files(model))
+
+
+def _kept_files(model) -> set[str]:
+    """The files the external tensors left in ``model`` name: the main graph's weights (the gate inlined
+    everything else at load), as initializers or as Constant values."""
+    import onnx_ir as ir
+
+    tensors = [value.const_value for value in model.graph.initializers.values()]
+    tensors += [attribute.value for node in model.graph if node.op_type == "Constant"
+                and (attribute := node.attributes.get("value")) is not None]
+    return {str(t.location) for t in tensors if isinstance(t, ir.ExternalTensor)}

@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 from lnfuse.errors import UsageError
-from lnfuse.zoo.job import Job, content_digest
+from lnfuse.zoo.identity import unchanged
+from lnfuse.zoo.job import Job
 
 #: failures that depend on the limits: a rerun with other limits tries the model again
 LIMITED = ("timeout", "over memory")
@@ -44,21 +45,25 @@ class Ledger:
                 rows[row["input"]] = row
         return rows
 
-    def finished(self, job: Job, version: str, limits: dict) -> dict | None:
-        """The row of a previous run this job need not repeat: same input content (the model and the data files
-        that row read), lnfuse and library versions, options, and output; for a failure that the limits decide,
-        the same limits."""
+    def finished(self, job: Job, version: str, limits: dict) -> tuple[dict | None, bool]:
+        """The row of a previous run this job need not repeat, and whether it still stands: (row, True) when the
+        model and the data files that row read have the stat keys it recorded (no byte is read for it); (row,
+        False) when the row would stand but a stat key changed, so a worker must compare the content hash first
+        (``job.run`` with ``resume``); (None, False) when the model runs again: another lnfuse or library
+        version, other options, another or a missing output, a failure of the run (``worker died``), a failure
+        the limits decide under other limits, or a row whose content is not known."""
         row = self.rows.get(job.source)
         if row is None or row.get("lnfuse") != version or row.get("options") != job.key_options():
-            return None
+            return None, False
         if row.get("status") in RETRIED or (row.get("status") in LIMITED and row.get("limits") != limits):
-            return None
+            return None, False
         if row.get("output") is not None and (row["output"] != job.output or not Path(row["output"]).exists()):
-            return None
-        names = row.get("data_files") or []
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not row.get("sha256"):
-            return None
-        return row if content_digest(Path(job.source), names) == row["sha256"] else None
+            return None, False
+        names = row.get("data_files")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or \
+                not isinstance(row.get("sha256"), str):
+            return None, False
+        return row, unchanged(Path(job.source), row)
 
     def append(self, row: dict) -> None:
         """One line, written whole and pushed to disk before the next model's row."""

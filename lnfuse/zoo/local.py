@@ -15,7 +15,8 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Iterator
 
-from lnfuse.zoo.job import BAD, INTERNAL, Job, run
+from lnfuse.zoo.job import BAD, INTERNAL, Job, identify, run
+from lnfuse.zoo.ledger import LIMITED
 from lnfuse.zoo.limits import available_memory, cap_memory, death
 
 #: a worker whose memory has grown past this share of --max-memory retires after its model, so that what
@@ -29,9 +30,6 @@ class _Worker:
         self.process = context.Process(target=serve, args=(child, max_memory), daemon=True)
         self.process.start()
         child.close()
-        self.job: Job | None = None
-        self.started = 0.0
-        self.content: dict = {}  # the model's hash and size, sent before it is fused
 
     def stop(self) -> None:
         self.process.kill()
@@ -40,20 +38,25 @@ class _Worker:
 
 
 def serve(conn: Connection, max_memory: int | None) -> None:
-    """A worker's life: fuse the models it is sent, one at a time, and send back each row."""
+    """A worker's life: fuse the models it is sent, one at a time, and send back each row (or, for a model whose
+    worker was stopped, the identity of its files)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
     _die_with_parent()
     cap_memory(max_memory)
     while True:
         try:
-            job = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):
             return
-        if job is None:
+        if message is None:
             return
+        kind, job = message
         try:
-            row = run(job, lambda content: conn.send(("hashed", content)))
-            retire = row["status"] == "over memory" or (max_memory and _data_size() > _RETIRE * max_memory)
+            if kind == "identify":
+                row = identify(job)
+            else:
+                row = run(job, lambda content: conn.send(("hashed", content)))
+            retire = row.get("status") == "over memory" or (max_memory and _data_size() > _RETIRE * max_memory)
             conn.send(("row", row, bool(retire)))
         except OSError:  # the run is gone (interrupted, killed): nobody to answer
             return
@@ -61,59 +64,151 @@ def serve(conn: Connection, max_memory: int | None) -> None:
             return
 
 
-def run_local(jobs: list[Job], workers: int, timeout: float | None, max_memory: int | None,
-              started: Callable[[Job], None], finished: Callable[[dict], None]) -> None:
-    """Run every job; ``finished`` gets each row as it comes (in the parent, in finishing order)."""
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Workers forked from a server that imported the optimizer once (spawned where there is no forkserver)."""
     context = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
                                           else "spawn")
     if context.get_start_method() == "forkserver":
         context.set_forkserver_preload(["lnfuse.api", "lnfuse.zoo.job"])
+    return context
+
+
+class Slot:
+    """One model at a time in a long-lived worker process, under the watchdog. The worker is started once and kept
+    for the next model; one that dies, is stopped or retires is replaced by the next. A model whose worker was
+    stopped while it fused (``timeout``, ``over memory``) has its files' identity taken by the next worker before
+    its row is final, so that a rerun under the same limits can tell whether the model changed."""
+
+    def __init__(self, context: multiprocessing.context.BaseContext, timeout: float | None,
+                 max_memory: int | None):
+        self.context, self.timeout, self.max_memory = context, timeout, max_memory
+        self.worker: _Worker | None = None
+        self.job: Job | None = None
+        self.held: dict | None = None  # the row of a stopped model, waiting for its identity
+        self.started = 0.0
+        self.content: dict = {}  # the model's identity as far as known, sent before it is fused
+
+    def warm(self) -> None:
+        """Start the worker now rather than with the first model."""
+        if self.worker is None:
+            self.worker = _Worker(self.context, self.max_memory)
+
+    def start(self, job: Job) -> None:
+        self.job, self.held, self.content = job, None, {}
+        self._send(("run", job))
+
+    def deadline(self) -> float | None:
+        return None if self.timeout is None or self.job is None else self.started + self.timeout
+
+    def waitables(self) -> list:
+        return [self.worker.conn, self.worker.process.sentinel] if self.worker is not None else []
+
+    def poll(self) -> dict | None:
+        """The model's row once it is final; None while it runs within its time."""
+        row, keep = self._collect()
+        if row is None:
+            return None
+        if not keep:
+            self._retire()
+        if self.held is not None:  # the stopped model's identity (or nothing, if that failed too)
+            row, self.held = {**self.held, **row}, None
+        elif row["status"] in LIMITED and row.get("data_files") is None and not keep:
+            self.held = row
+            self._send(("identify", self.job))
+            return None
+        self.job = None
+        return row
+
+    def run(self, job: Job) -> dict:
+        """``start``, then wait for the row (one model at a time, as a Ray actor runs them)."""
+        self.start(job)
+        while (row := self.poll()) is None:
+            deadline = self.deadline()
+            wait(self.waitables(), timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return row
+
+    def close(self) -> None:
+        if self.worker is not None and self.job is None:
+            try:
+                self.worker.conn.send(None)
+            except OSError:
+                pass
+        self._retire()
+
+    def _send(self, message: tuple) -> None:
+        """To the worker, or to a new one if it died while idle."""
+        self.started = time.monotonic()
+        self.warm()
+        try:
+            self.worker.conn.send(message)
+        except OSError:
+            self._retire()
+            self.warm()
+            self.worker.conn.send(message)
+
+    def _retire(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+
+    def _collect(self) -> tuple[dict | None, bool]:
+        """The worker's answer if it has one (and whether the worker can take another model), or a row saying why
+        the model ended without one; (None, True) while it is still working within its time. A worker that fails
+        while it takes a stopped model's identity answers nothing ({}): the model keeps the row it had."""
+        job, worker = self.job, self.worker
+        try:
+            while worker.conn.poll():
+                message = worker.conn.recv()
+                if message[0] == "row":
+                    return message[1], not message[2]
+                self.content = message[1]
+        except (EOFError, OSError):
+            pass  # it died: said below
+        if worker.process.is_alive():
+            if self.timeout is None or time.monotonic() - self.started < self.timeout:
+                return None, True
+            if self.held is not None:
+                return {}, False
+            return job.row(status="timeout", exit=BAD, seconds=round(self.timeout, 3), **self.content,
+                           reason=f"still running after --timeout {self.timeout:g} s; stopped"), False
+        worker.process.join()
+        if self.held is not None:
+            return {}, False
+        status, reason = death(worker.process.exitcode, self.max_memory)
+        return job.row(status=status, exit=BAD if status == "over memory" else INTERNAL, reason=reason,
+                       seconds=round(time.monotonic() - self.started, 3), **self.content), False
+
+
+def run_local(jobs: list[Job], workers: int, timeout: float | None, max_memory: int | None,
+              started: Callable[[Job], None], finished: Callable[[dict], None]) -> None:
+    """Run every job; ``finished`` gets each row as it comes (in the parent, in finishing order)."""
+    context = worker_context()
     pending = sorted(jobs, key=lambda j: -j.estimate)  # largest first: the long ones do not end the run alone
     budget = int(available_memory() * 0.9)
-    idle: list[_Worker] = []
-    busy: list[_Worker] = []
+    idle: list[Slot] = []
+    busy: list[Slot] = []
     try:
         while pending or busy:
             with _interrupts_deferred():  # a Ctrl-C here would leave a worker the cleanup below does not know
                 while pending and len(busy) < workers:
-                    job = _admit(pending, budget - sum(w.job.estimate for w in busy), not busy)
+                    job = _admit(pending, budget - sum(s.job.estimate for s in busy), not busy)
                     if job is None:
                         break
-                    busy.append(_dispatch(idle.pop() if idle else _Worker(context, max_memory), job, context,
-                                          max_memory))
+                    slot = idle.pop() if idle else Slot(context, timeout, max_memory)
+                    slot.start(job)
+                    busy.append(slot)
                     started(job)
-            _wait(busy, timeout)
-            for worker in list(busy):
-                row, keep = _collect(worker, timeout, max_memory)
+            _wait(busy)
+            for slot in list(busy):
+                row = slot.poll()
                 if row is None:
                     continue
-                busy.remove(worker)
-                worker.job = None
-                if keep:
-                    idle.append(worker)
-                else:
-                    worker.stop()
+                busy.remove(slot)
+                idle.append(slot)
                 finished(row)
     finally:
-        for worker in idle + busy:
-            if worker.job is None:
-                try:
-                    worker.conn.send(None)
-                except OSError:
-                    pass
-            worker.stop()
-
-
-def _dispatch(worker: _Worker, job: Job, context: multiprocessing.context.BaseContext,
-              max_memory: int | None) -> _Worker:
-    """Hand ``job`` to ``worker``, or to a new worker if that one died while idle."""
-    worker.job, worker.started, worker.content = job, time.monotonic(), {}
-    try:
-        worker.conn.send(job)
-        return worker
-    except OSError:
-        worker.stop()
-        return _dispatch(_Worker(context, max_memory), job, context, max_memory)
+        for slot in idle + busy:
+            slot.close()
 
 
 @contextlib.contextmanager
@@ -138,37 +233,11 @@ def _admit(pending: list[Job], free: int, alone: bool) -> Job | None:
     return None
 
 
-def _wait(busy: list[_Worker], timeout: float | None) -> None:
+def _wait(busy: list[Slot]) -> None:
     """Until a worker answers or dies, or the first deadline passes."""
-    waits = [w.conn for w in busy] + [w.process.sentinel for w in busy]
-    deadline = None
-    if timeout is not None and busy:
-        deadline = max(0.0, min(w.started for w in busy) + timeout - time.monotonic())
-    wait(waits, timeout=deadline)
-
-
-def _collect(worker: _Worker, timeout: float | None, max_memory: int | None) -> tuple[dict | None, bool]:
-    """The worker's row if it has finished (and whether it can take another model), or a row saying why its model
-    ended without one; (None, True) while it is still working within its time."""
-    job = worker.job
-    try:
-        while worker.conn.poll():
-            message = worker.conn.recv()
-            if message[0] == "row":
-                return message[1], not message[2]
-            worker.content = message[1]
-    except (EOFError, OSError):
-        pass  # it died: said below
-    if worker.process.is_alive():
-        if timeout is None or time.monotonic() - worker.started < timeout:
-            return None, True
-        worker.stop()
-        return job.row(status="timeout", exit=BAD, seconds=round(timeout, 3), **worker.content,
-                       reason=f"still running after --timeout {timeout:g} s; stopped"), False
-    worker.process.join()
-    status, reason = death(worker.process.exitcode, max_memory)
-    return job.row(status=status, exit=BAD if status == "over memory" else INTERNAL, reason=reason,
-                   seconds=round(time.monotonic() - worker.started, 3), **worker.content), False
+    deadlines = [d for s in busy if (d := s.deadline()) is not None]
+    wait([w for s in busy for w in s.waitables()],
+         timeout=max(0.0, min(deadlines) - time.monotonic()) if deadlines else None)
 
 
 def _data_size() -> int:

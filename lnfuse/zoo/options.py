@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "do not count), e.g. 4G (default: none)")
     group.add_argument("--ledger", metavar="FILE", help="JSON Lines, one row per finished model, written as each "
                        "finishes; a rerun skips what it already holds (default: OUTDIR/lnfuse-ledger.jsonl)")
-    group.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help="run the models as Ray tasks: on the "
+    group.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help="run the models on Ray actors: on the "
                        "cluster at ADDRESS ('auto', 'ray://head:10001'), or a new local instance without one")
 
 

@@ -1,25 +1,61 @@
-"""Past one machine: the same per-model job as Ray tasks, on a running cluster or a new local instance. Ray
-schedules; lnfuse only submits, collects and writes the ledger.
+"""Past one machine: the same per-model job on a pool of long-lived Ray actors, on a running cluster or a new local
+instance. Ray places the actors; lnfuse only feeds them, collects the rows and writes the ledger.
 
-Each task supervises its model exactly as a local run does (``local.run_local`` with one worker: a process
-forked from a server that imported the optimizer once per Ray worker, under the same --max-memory and --timeout),
-so a model that crashes or hangs ends its own child, never the Ray worker. Each task asks Ray for one CPU and the
-memory expected of its model, so Ray places no more big models on a node than it has memory for. Inputs and
-outputs must be on storage every node sees (the paths are the same on every node)."""
+Why actors: a Ray task that fused a model itself would pay lnfuse's imports (onnx_ir, ONNX Runtime, numpy: about
+0.5 s) wherever Ray started a fresh worker, and a task that supervises a child process per model (to survive a
+crash or a hang) pays a fresh child's warm-up for every model. An actor is a process that stays: each one holds a
+``local.Slot`` (a worker process forked from a server that imported the optimizer once, kept from model to model
+under the same --timeout and --max-memory as a local run), so a model that crashes or hangs ends its worker,
+never the actor, and the actor's next model starts warm.
+
+Memory: Ray reserves an actor's resources for its life, not per call. Models are fed largest first, so an actor
+created with the memory estimate of its first model has enough for every later one; an idle actor whose
+reservation is more than twice the next model's estimate is replaced by one sized for it (so a node is not held
+by the reservation of a model long finished), which costs a new actor's imports a few times in a run, not once a
+model. When no model is left to start, idle actors end and free their reservations.
+
+An actor that dies (its node lost, killed by Ray's memory monitor) fails no model by itself: its model goes to
+another actor, three times at most, then its row says ``worker died``; a new actor takes the dead one's place.
+Inputs and outputs must be on storage every node sees (the paths are the same on every node)."""
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from lnfuse.errors import UsageError
 from lnfuse.zoo.job import INTERNAL, Job
-from lnfuse.zoo.local import run_local
+from lnfuse.zoo.local import Slot, worker_context
+
+#: an actor lost this many times under one model (a node lost, Ray's memory monitor) ends that model's tries
+_TRIES = 4
+#: an idle actor reserving more than this many times the next model's estimate is replaced by a smaller one
+_OVERSIZE = 2
+
+
+class Runner:
+    """A Ray actor's state: one ``Slot``, started when the actor is (so the imports overlap the other actors')."""
+
+    def __init__(self, timeout: float | None, max_memory: int | None) -> None:
+        self.slot = Slot(worker_context(), timeout, max_memory)
+        self.slot.warm()
+
+    def run(self, job: Job) -> dict:
+        return self.slot.run(job)
+
+
+@dataclass
+class _Actor:
+    handle: Any
+    memory: int  # the memory it reserved, in bytes
 
 
 def run_ray(jobs: list[Job], address: str, cpus: int | None, timeout: float | None, max_memory: int | None,
             started: Callable[[Job], None], finished: Callable[[dict], None]) -> None:
-    """Run every job as a Ray task; ``finished`` gets each row as it comes back, on the driver."""
+    """Run every job on a pool of Ray actors, one per CPU of the cluster; ``finished`` gets each row as it comes
+    back, on the driver."""
     try:
         import ray
     except ImportError:
@@ -30,32 +66,74 @@ def run_ray(jobs: list[Job], address: str, cpus: int | None, timeout: float | No
         ray.init(num_cpus=cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     try:
-        task = ray.remote(num_cpus=1, max_retries=3)(supervise)  # retried only when a node or worker is lost
-        # a window of tasks in flight: the largest models go first, and "running" on the bar means something
-        window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
-        waiting = sorted(jobs, key=lambda j: -j.estimate)
-        flying: dict = {}
-        while waiting or flying:
-            while waiting and len(flying) < window:
-                job = waiting.pop(0)
-                flying[task.options(memory=max(job.estimate, 1)).remote(job, timeout, max_memory)] = job
-                started(job)
-            ready, _ = ray.wait(list(flying), num_returns=1)
-            for ref in ready:
-                job = flying.pop(ref)
-                try:
-                    row = ray.get(ref)
-                except ray.exceptions.RayError as error:  # lost past Ray's retries: the model's row says so
-                    text = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-                    row = job.row(status="worker died", exit=INTERNAL, reason=f"its Ray task failed ({text}); "
-                                  "rerun to retry it")
-                finished(row)
+        _Pool(ray, int(ray.cluster_resources().get("CPU", 1)), timeout, max_memory).run(jobs, started, finished)
     finally:
         ray.shutdown()
 
 
-def supervise(job: Job, timeout: float | None, max_memory: int | None) -> dict:
-    """A Ray task: one model in a child process under its limits; its row."""
-    rows: list[dict] = []
-    run_local([job], 1, timeout, max_memory, lambda _: None, rows.append)
-    return rows[0]
+class _Pool:
+    def __init__(self, ray, size: int, timeout: float | None, max_memory: int | None) -> None:
+        self.ray, self.size = ray, max(1, size)
+        # num_cpus=1: one model at a time on one core, as a local worker; no restarts: the pool replaces it
+        self.actor_class = ray.remote(num_cpus=1, max_restarts=0)(Runner)
+        self.args = (timeout, max_memory)
+        self.idle: list[_Actor] = []
+        self.flying: dict = {}  # call -> (actor, job)
+        self.tries: Counter[str] = Counter()
+        # no reservation above the largest node's memory: such a model would wait for a node forever; capped, it
+        # runs alone on the largest one (and fails there as `over memory` if it needs more)
+        self.largest = max((int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")), default=0)
+
+    def run(self, jobs: list[Job], started: Callable[[Job], None], finished: Callable[[dict], None]) -> None:
+        waiting = sorted(jobs, key=lambda j: -j.estimate)
+        try:
+            while waiting or self.flying:
+                while waiting and len(self.flying) < self.size:
+                    job = waiting.pop(0)
+                    actor = self._actor_for(job)
+                    self.flying[actor.handle.run.remote(job)] = (actor, job)
+                    if not self.tries[job.source]:
+                        started(job)
+                if not waiting:  # nothing left to start: idle actors give their reservations back
+                    self._end(self.idle)
+                    self.idle = []
+                ready, _ = self.ray.wait(list(self.flying), num_returns=1)
+                for ref in ready:
+                    row = self._collect(ref, waiting)
+                    if row is not None:
+                        finished(row)
+        finally:
+            self._end(self.idle + [actor for actor, _ in self.flying.values()])
+
+    def _actor_for(self, job: Job) -> _Actor:
+        """An idle actor whose reservation fits ``job`` (at least its estimate, at most twice it), or a new one
+        reserving its estimate in place of an idle one that does not fit."""
+        need = max(min(job.estimate, self.largest or job.estimate), 1)
+        for i, actor in enumerate(self.idle):
+            if need <= actor.memory <= _OVERSIZE * need:
+                return self.idle.pop(i)
+        if self.idle:
+            self._end([self.idle.pop(0)])
+        return _Actor(self.actor_class.options(memory=need).remote(*self.args), need)
+
+    def _collect(self, ref, waiting: list[Job]) -> dict | None:
+        """The row a call returned, or None when its actor was lost and the model goes back to the front of the
+        queue (largest first still: it was the largest left when it started)."""
+        actor, job = self.flying.pop(ref)
+        try:
+            row = self.ray.get(ref)
+        except self.ray.exceptions.RayError as error:
+            self._end([actor])
+            self.tries[job.source] += 1
+            if self.tries[job.source] < _TRIES:
+                waiting.insert(0, job)
+                return None
+            text = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            return job.row(status="worker died", exit=INTERNAL, reason=f"its Ray actor was lost {_TRIES} times "
+                           f"({text}); rerun to retry it")
+        self.idle.append(actor)
+        return row
+
+    def _end(self, actors: list[_Actor]) -> None:
+        for actor in actors:
+            self.ray.kill(actor.handle)

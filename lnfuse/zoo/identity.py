@@ -1,0 +1,119 @@
+"""A model's identity for resuming: what the ledger records of the files a model read, and the cheap check a rerun
+makes before trusting a row.
+
+Two keys per file (the model and each data file it read): the sha256 of its bytes, and its stat key (inode, size,
+mtime_ns, ctime_ns) taken from the open file before it is hashed. A rerun compares stat keys only, in the driver:
+metadata, no byte of a model is read there. Only a model whose stat keys changed is hashed again, in a worker, and
+only a different hash runs it again (a model copied back over itself is not fused twice). ctime cannot be set by a
+user (``touch -d`` and ``cp -p`` set mtime, not ctime), so a file rewritten with its size and mtime restored still
+shows as changed. The device number is left out: the same file on NFS has another one on every node of a cluster.
+
+Every data file is hashed through the model folder's gate (``Gate.admit_file``, ``Gate.open``), with the admission
+a load makes: inside the folder, links followed; a regular file of one link; opened without following links or
+blocking. A model folder changed into something hostile after the first run is never read outside the gate."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lnfuse.errors import InputError, LnfuseError
+
+#: the stat fields of a file's key; see the module's docstring for why not st_dev
+_KEY = ("st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
+_CHUNK = 1 << 20
+
+
+def stat_key(st: os.stat_result) -> list[int]:
+    return [getattr(st, name) for name in _KEY]
+
+
+@dataclass
+class ModelIdentity:
+    """The model file hashed (its bytes, before anything parses them); data files are added by ``complete``."""
+
+    path: Path
+    prefix: hashlib._Hash  # sha256 over b"\\0" + the model's bytes: the digest's start, whatever data files follow
+    key: list[int]
+    #: digests already taken, by data files: a resumed model whose hash was compared before it was fused again
+    #: with the same data files is not hashed twice
+    _taken: dict[tuple[str, ...], tuple[str, list[list]]] = field(default_factory=dict)
+
+    def early(self) -> dict:
+        """The row's identity fields while the data files it reads are not known yet (sent before fusing, for the
+        row of a model whose worker is stopped)."""
+        return {"sha256": None, "data_files": None, "stat": [["", *self.key]], "bytes_in": self.key[1]}
+
+    def complete(self, data_files: list[str] | None) -> dict:
+        """The row's identity fields: the hash of the model and of ``data_files`` (relative to its folder), read
+        through the folder's gate. Unknown (None) when the data files are not known or one is no longer admitted:
+        such a row is never taken as finished by a rerun."""
+        if data_files is None:
+            return self.early()
+        try:
+            digest, keys = self.digest(data_files)
+        except LnfuseError:
+            return self.early()
+        return {"sha256": digest, "data_files": list(data_files), "stat": keys,
+                "bytes_in": sum(key[2] for key in keys)}
+
+    def digest(self, data_files: list[str]) -> tuple[str, list[list]]:
+        """(sha256, stat keys named "" for the model and by location for the data files), or ``InputError`` when
+        the gate refuses a data file."""
+        from lnfuse.load.gate import Gate  # in a worker only: the driver compares stat keys, it never hashes
+
+        if tuple(data_files) in self._taken:
+            return self._taken[tuple(data_files)]
+        digest, keys = self.prefix.copy(), [["", *self.key]]
+        gate = Gate(self.path.parent, str(self.path))
+        for name in data_files:
+            gate.admit_file(name)
+            with gate.open(name) as stream:
+                keys.append([name, *stat_key(os.fstat(stream.fileno()))])
+                digest.update(name.encode() + b"\0")
+                while chunk := stream.read(_CHUNK):
+                    digest.update(chunk)
+        self._taken[tuple(data_files)] = digest.hexdigest(), keys
+        return self._taken[tuple(data_files)]
+
+
+def of_model(path: Path) -> ModelIdentity:
+    """Hash the model file the user named (a link is fine: it is the user's, as for ``io.read_proto``); never
+    blocking on a FIFO named as a model."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file; check the path") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not an ONNX file") from None
+    except OSError as error:
+        raise InputError(f"{path}: cannot be read ({error.strerror}); check its permissions") from None
+    with os.fdopen(fd, "rb") as stream:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{path}: not a regular file; give an ONNX file")
+        digest = hashlib.sha256(b"\0")  # the model's name in the digest is "" (data files are named)
+        while chunk := stream.read(_CHUNK):
+            digest.update(chunk)
+    return ModelIdentity(path, digest, stat_key(st))
+
+
+def unchanged(source: Path, row: dict) -> bool:
+    """Whether the model and every data file ``row`` read still have the stat keys it recorded: metadata only (the
+    driver reads no byte of a model). False when the row has no keys (an older ledger, unknown data files)."""
+    keys, names = row.get("stat"), row.get("data_files")
+    if not isinstance(keys, list) or not isinstance(names, list) or \
+            [k[0] if isinstance(k, list) and k else None for k in keys] != ["", *names]:
+        return False
+    folder = os.path.realpath(source.parent)  # data files are named relative to the real folder, as the gate does
+    for name, *key in keys:
+        try:
+            st = os.stat(source if not name else os.path.join(folder, name))
+        except (OSError, ValueError):
+            return False
+        if stat_key(st) != key:
+            return False
+    return True
