@@ -59,7 +59,9 @@ def run_ray(jobs: list[Job], address: str, cpus: int | None, timeout: float | No
     try:
         import ray
     except ImportError:
-        raise UsageError("--ray needs Ray: pip install 'lnfuse[ray]'") from None
+        ray = None
+    if getattr(ray, "init", None) is None:  # a folder named ray (Ray's own /tmp/ray) on the path is no Ray
+        raise UsageError("--ray needs Ray: pip install 'lnfuse[ray]'")
     if address:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     else:
