@@ -418,6 +418,8 @@ def check_layouts(m: Match, ctx: GraphContext, axes: tuple[int, ...], stats: dic
             continue
         if value in epsilon_terms:
             continue  # the variance's own views carry these (eps is one number wherever it lands)
+        if not transposes and not restores and value not in outputs and value is not m.value("x"):
+            continue  # a parameter read as it is: laid out by the usual checks
         placed = restores[0].outputs[0] if restores else value
         found = view_axes(transposes, rank_of(placed) or 0)
         frame_rank = rank_of(frame if frame is not None else m.value("y"))

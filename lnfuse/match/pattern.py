@@ -323,6 +323,10 @@ def _assign_factors(pattern: list, factors: list, m: Match, coef: float) -> Iter
                     # and proves restores put back exactly the reduced axes
                     inner = bound.with_fact("viewed", bound.viewed() + ((frame, seen, outer + views),))
                     inner = inner.in_frame((frame, outer + views)).add_nodes(views)
+                else:
+                    # read as it is, recorded too: a value read both ways in one frame (a mean transposed in the
+                    # numerator and not in m²) is in two layouts, which the rule refuses
+                    inner = bound.with_fact("viewed", bound.viewed() + ((frame, seen, ()),))
                 for found in leaf.match(seen, inner):
                     found = found.in_frame(m.frame)
                     for twinned in _match_twins(leaf, factor.twins, found):
