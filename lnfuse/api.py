@@ -199,6 +199,8 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
                             f"({str(error).splitlines()[0][:200]}); the model keeps its opset")
         return loaded, report
     upgraded.declared_value_info = loaded.declared_value_info
+    # every file the input read (the model, data files of tensors read inline at load): none may be overwritten
+    upgraded.model.meta[io.INPUT_FILES] = loaded.model.meta.get(io.INPUT_FILES, [])
     # the converted model is the same file's graph: its external data stays beside the input, wherever we run from
     upgraded.path, upgraded.source, upgraded.has_external_data = loaded.path, loaded.source, loaded.has_external_data
     upgraded_report = _run(upgraded, options, source)

@@ -384,3 +384,23 @@ def test_in_place_follows_only_a_link_to_the_input(sandbox: Path, capsys):
     assert code == 0, err
     assert victim.read_bytes() == b"precious" and not (sandbox / "out" / "o.onnx").is_symlink()
     ort.InferenceSession(str(sandbox / "out" / "o.onnx"), providers=["CPUExecutionProvider"])
+
+
+def test_an_upgraded_model_does_not_overwrite_a_data_file_the_input_read(tmp_path: Path, capsys):
+    """--upgrade-opset fuses a second model converted from the first; every file the input read stays protected
+    from the output, a data file of a tensor read inline at load (epsilon here) included."""
+    model = build(Spec(kind="rms", opset=14, gamma="1d", beta=None))
+    eps = next(t for t in model.graph.initializer if t.name.startswith("eps"))
+    raw = eps.raw_data or np.array(eps.float_data, np.float32).tobytes()
+    (tmp_path / "eps.bin").write_bytes(raw)
+    eps.ClearField("float_data")
+    eps.raw_data = raw
+    set_external_data(eps, "eps.bin")
+    eps.ClearField("raw_data")
+    eps.data_location = onnx.TensorProto.EXTERNAL
+    onnx.save(model, tmp_path / "model.onnx")
+    before = _tree(tmp_path)
+    code, err = _run(capsys, tmp_path / "model.onnx", "-o", tmp_path / "eps.bin", "--target", "onnx",
+                     "--upgrade-opset")
+    _refused(code, err, "eps.bin")
+    assert _tree(tmp_path) == before
