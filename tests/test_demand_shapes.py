@@ -130,3 +130,27 @@ def test_no_candidate_report_names_the_graph_size(resizes):
     model = build_detector(resizes)
     (note,) = _shape_notes(lnfuse.fuse(model).report)
     assert f"in {len(model.graph.node)} nodes" in note
+
+
+def test_budget_under_a_profiler_returns():
+    """The budget's exception, once sent, is raised and caught in the inferring thread: cleared instead with
+    ``SetAsyncExc(NULL)``, CPython 3.11 left its eval breaker set, and under a profiler (cProfile, coverage) the
+    next function entry spun forever. Run in a child so that a hang fails the test instead of the suite."""
+    import subprocess
+
+    script = (
+        "import cProfile, time\n"
+        "from lnfuse.index import demand\n"
+        "def work(check):\n"
+        "    end = time.perf_counter() + 30\n"
+        "    while time.perf_counter() < end:\n"
+        "        for _ in range(300): check()\n"
+        "        sum(range(1000))\n"
+        "profile = cProfile.Profile(); profile.enable()\n"
+        "results = [demand._within(0.03 + 0.01 * (i % 5), work) for i in range(10)]\n"
+        "results.append(demand._within(5.0, lambda check: 'done'))\n"
+        "profile.disable()\n"
+        "print(results)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == repr([None] * 10 + ["done"])

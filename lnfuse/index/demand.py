@@ -66,6 +66,10 @@ class _OverBudget(BaseException):
     ``except Exception`` blocks must not swallow it."""
 
 
+class _Interrupted(_OverBudget):
+    """The watchdog's ``_OverBudget``, raised asynchronously in the inferring thread (``_within``)."""
+
+
 @dataclass
 class PendingShapes:
     """A model whose shapes onnx's inference left incomplete at load: its skeleton (weights as typed inputs, no
@@ -125,15 +129,19 @@ def _within(seconds: float, work: Callable[[Callable[[], None]], onnx.ModelProto
     """``work(check)``, or None if it takes more than ``seconds`` of this thread's CPU time.
 
     sympy can spend seconds inside one node, so a check between nodes (``check``, which ORT's loop calls) is not
-    enough: a watchdog thread reads this thread's CPU clock and, past the budget, raises ``_OverBudget`` in it
+    enough: a watchdog thread reads this thread's CPU clock and, past the budget, raises ``_Interrupted`` in it
     (``PyThreadState_SetAsyncExc``: raised at the next bytecode, so inside sympy's pure Python; it works in any
     thread, unlike a signal, and costs nothing while it waits, unlike a trace function). A C call in progress
-    finishes first; ``check`` is the backstop should an exception handler in between swallow it."""
+    finishes first; ``check`` is the backstop should an exception handler in between swallow it.
+
+    An exception sent and not yet raised when the work ends is raised here and caught (``_absorb``), never
+    cleared with ``SetAsyncExc(NULL)``: CPython 3.11 then leaves the interpreter's eval breaker set for good, and
+    under a profiler or tracer (cProfile, coverage) the next function entry spins forever."""
     thread = threading.get_ident()
     clock = _cpu_clock(thread)
     start = clock()
-    lock, open_, fired = threading.Lock(), [True], threading.Event()
-    stop = threading.Event()
+    lock, open_, sent = threading.Lock(), [True], [False]
+    fired, stop = threading.Event(), threading.Event()
 
     def watch() -> None:
         while not stop.wait(_POLL_SECONDS):
@@ -141,8 +149,9 @@ def _within(seconds: float, work: Callable[[Callable[[], None]], onnx.ModelProto
                 with lock:
                     if open_[0]:
                         fired.set()
+                        sent[0] = True
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
-                                                                   ctypes.py_object(_OverBudget))
+                                                                   ctypes.py_object(_Interrupted))
                 return
 
     def check() -> None:
@@ -150,20 +159,42 @@ def _within(seconds: float, work: Callable[[Callable[[], None]], onnx.ModelProto
             fired.set()
             raise _OverBudget
 
+    def close() -> None:
+        with lock:
+            open_[0] = False  # from here on the watchdog sends nothing
+        stop.set()
+        if sent[0]:
+            _absorb()
+
     watchdog = threading.Thread(target=watch, name="lnfuse-shape-budget", daemon=True)
+    result = None
     try:
-        try:
-            watchdog.start()
-            return work(check)
-        finally:
-            with lock:
-                open_[0] = False
-            stop.set()
-            if fired.is_set():  # raised, or still pending: clear what has not been raised yet
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
-            watchdog.join()
+        watchdog.start()
+        result = work(check)
     except _OverBudget:
-        return None
+        result = None
+    # the sent exception may surface anywhere until absorbed, close() included: repeat until it ran through
+    while True:
+        try:
+            close()
+            break
+        except _Interrupted:
+            continue
+    watchdog.join()
+    return None if fired.is_set() else result
+
+
+def _absorb() -> None:
+    """Raise a pending asynchronous exception here: CPython checks for one on entering a Python function, so the
+    call to ``_entered`` raises it if it is pending, and does nothing otherwise."""
+    try:
+        _entered()
+    except _Interrupted:
+        pass
+
+
+def _entered() -> None:
+    return None
 
 
 def _cpu_clock(thread: int) -> Callable[[], float]:
