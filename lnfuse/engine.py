@@ -85,15 +85,28 @@ class _Pass:
     refused: dict[ir.Node, list[_Attempt]] = field(default_factory=dict)
     #: graph order of the nodes when the pass began (indexing once keeps a pass linear in the graph's size)
     position: dict[ir.Node, float] = field(default_factory=dict)
+    #: a check refused some match, even one a smaller form then superseded (``refused`` forgets those)
+    any_refused: bool = False
+
+    def refuse(self, anchor: ir.Node, attempt: _Attempt) -> None:
+        self.refused.setdefault(anchor, []).append(attempt)
+        self.any_refused = True
 
 
 def fuse_model(model: ir.Model, options: Options, report: Report,
                nodes: Iterable[ir.Node] | None = None, shapes: PendingShapes | None = None) -> None:
     """Rewrite ``model`` in place and record what happened in ``report``. ``nodes``: every node of the model
-    (``nodes_of``), when the caller has them. ``shapes``: the symbolic shape inference the load deferred, run here
-    for the values the candidates need (before canonicalization, on the graph as loaded, as at load)."""
+    (``nodes_of``), when the caller has them. ``shapes``: the symbolic shape inference the load deferred. Rules
+    first match and check on onnx's shapes (exact, where known); the symbolic inference runs, for the values the
+    candidates need, only when a rule's pass leaves something undecided on them (``_undecided``), and that pass is
+    then done again."""
+    seeds: set[str] | None = None  # the candidates' values, while the symbolic inference waits
     if shapes is not None:
-        report.notes.extend(shapes.resolve(model, demand(model, options)))
+        seeds = demand(model, options)
+        if not seeds:
+            report.notes.extend(shapes.resolve(model, seeds))
+            seeds = None
+    before = (nodes if nodes is not None else nodes_of(model)) if seeds is not None else {}
     names = _all_names(model, nodes)
     opsets_used: dict[str, int] = {}
     every_scope = list(scopes(model))
@@ -118,7 +131,17 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             order = order or _Order.of(scope.graph)
             ran.add(rule.name)
             found = find(rule, ctx, order)
+            recorded = len(report.fused)
             kept = _verified(found.accepted, model, scope, options, report, found)
+            if seeds is not None and (why := _undecided(rule, found, kept, found_stats)):
+                del report.fused[recorded:]  # this pass is done again on the new shapes
+                report.notes.extend(shapes.resolve(model, seeds, why=f"{scope.path}: {why}"))
+                retype_new_values(model, before)
+                seeds = None
+                if not swept:  # nothing rewritten in this graph yet: the statistics are found on the new shapes
+                    found_stats = statistics.find(scope.graph)
+                found = find(rule, ctx, order)
+                kept = _verified(found.accepted, model, scope, options, report, found)
             for candidate in kept:
                 fused_by.update(dict.fromkeys(candidate.replacement.region,
                                               (rule.name, candidate.replacement.op_type)))
@@ -133,11 +156,26 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             cleanup(scope.graph, [])
         accounted = _record_candidates(scope, found_stats, refusals, fused_by, ran, report)
         _record_refusals(scope, refusals, report, accounted)
+    if seeds is not None:
+        report.notes.extend(shapes.resolve(model, seeds, needed=False))
     for domain, version in opsets_used.items():
         model.opset_imports.setdefault(domain, version)
         for function in model.functions.values():
             if any(n.domain == domain for n in function):
                 function.opset_imports.setdefault(domain, version)
+
+
+def _undecided(rule: Rule, found: _Pass, kept: list[_Candidate], stats: list[statistics.Statistics]) -> str:
+    """Why a pass on onnx's shapes may not be what the symbolic inference's would give ('' when it is): a check
+    refused a match (it may have needed a dim onnx left unknown), or a norm-like statistic of the rule's kind was
+    neither fused nor refused (shapes also decide what patterns match: a Reshape to its input's own shape, an
+    added zero of the same shape)."""
+    if found.any_refused:
+        return f"{rule.name} refused a match"
+    fused = {node for c in kept for node in c.replacement.region}
+    left = [s for s in stats if s.rule == rule.name and s.square.graph is not None
+            and not fused.issuperset([s.square, *s.means])]
+    return f"{rule.name} left {len(left)} norm-like statistic(s) unmatched" if left else ""
 
 
 def scopes(model: ir.Model) -> Iterator[Scope]:
@@ -239,7 +277,7 @@ def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:
             for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match(cache=cache))):
                 for anchor in rule.anchor_nodes(m):
                     if anchor not in consumed:
-                        found.refused.setdefault(anchor, []).append(_Attempt(Refusal(check, reason), list(m.nodes)))
+                        found.refuse(anchor, _Attempt(Refusal(check, reason), list(m.nodes)))
     for candidate in found.accepted:
         for anchor in candidate.anchors:
             found.refused.pop(anchor, None)
@@ -328,8 +366,7 @@ def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir
                 check_no_cycle(replacement, position)
             except Refusal as refusal:
                 for anchor in anchors:
-                    found.refused.setdefault(anchor, []).append(
-                        _Attempt(refusal, list(m.nodes), stage, m.values.read() + m.named_nodes.read()))
+                    found.refuse(anchor, _Attempt(refusal, list(m.nodes), stage, m.values.read() + m.named_nodes.read()))
                 continue
             # a larger form refused for its gamma/beta means the affine stays outside: say so
             notes = list(dict.fromkeys(a.refusal.detail for anchor in anchors for a in found.refused.get(anchor, [])
@@ -424,7 +461,7 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
         else:
             refusal = Refusal("verify", f"{c.replacement.op_type} rewrite not applied: {outcome.detail}")
             for anchor in c.anchors:
-                found.refused.setdefault(anchor, []).append(_Attempt(refusal, c.replacement.region, stage=3))
+                found.refuse(anchor, _Attempt(refusal, c.replacement.region, stage=3))
     return kept
 
 
@@ -667,6 +704,28 @@ def type_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Nod
                 value.shape = _plausible(value.shape)
         names.update(v.name for n in new for v in n.outputs if v.name and not _untyped(v))
     return names
+
+
+def retype_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Node]) -> None:
+    """Infer again, node by node in graph order, the shapes of the values lnfuse wrote (outputs of nodes not in
+    ``before``), after the values they are computed from got new shapes: a norm fused on onnx's shapes carries
+    them, and a later rule compares it with values the symbolic inference has since renamed. Where inference now
+    says nothing, the shape it had stays (its dims are named apart from the new ones: ``demand._apply``)."""
+    for graph in [model.graph, *model.functions.values()]:
+        opsets = {**model.opset_imports, **(graph.opset_imports if isinstance(graph, ir.Function) else {})}
+        new = [n for n in every_node(graph) if n not in before]
+        had = {v: v.shape for n in new for v in n.outputs}
+        untyped = []
+        for node in new:
+            for value in node.outputs:
+                value.shape = None
+            if not _infer_node(node, opsets, model.ir_version):
+                untyped.append(node)
+        if untyped:
+            _infer_contrib(untyped, opsets, model.ir_version)
+        for value, shape in had.items():
+            if value.shape is None:
+                value.shape = shape
 
 
 #: no real tensor has this many elements; a larger static shape comes from a declared dim nothing checks

@@ -5,9 +5,13 @@ ONNX Runtime's symbolic inference can name them (the residual rule proves addend
 but it is Python and sympy: about 0.1 ms a node on a transformer, and seconds for each Resize of a detector's neck,
 where sympy simplifies nested floor expressions (a 50-Resize FPN took 27 s, where loading and saving take 0.1 s).
 So at load it is only prepared (``infer_shapes_deferred``), and the engine asks for it (``PendingShapes.resolve``)
-once it knows where the candidates are:
+once it knows where the candidates are, and only if onnx's shapes do not decide them:
 
 * no candidates (no node of any rule's anchor ops): it never runs;
+* candidates, all decided on onnx's shapes (each rule's pass fused every norm-like statistic of its kind and no
+  check refused a match): it never runs either. A fact onnx leaves unknown is refused by the checks, never assumed,
+  so these fusions hold; and a dim only ORT's inference could name can change a pass only through a refusal or a
+  statistic left unmatched (``engine._undecided``), where it then runs and the pass is done again;
 * candidates: it runs on the whole model if the model is small (``WHOLE_NODES``; the shapes are then exactly what
   they always were), else on the candidates' cone (the nodes near an anchor and every node they are computed from:
   a value's shape depends only on those);
@@ -80,10 +84,12 @@ class PendingShapes:
     #: times ORT's symbolic inference was started on this model (what tests and benchmarks can observe)
     symbolic_runs: int = 0
 
-    def resolve(self, model: ir.Model, seeds: Iterable[str] | None) -> list[str]:
+    def resolve(self, model: ir.Model, seeds: Iterable[str] | None, why: str | None = None,
+                needed: bool = True) -> list[str]:
         """Give ``model``'s values the symbolic inference's shapes where candidates need them. ``seeds``: the
-        names of the values the candidates read and write (None or empty: there are no candidates). Returns
-        what happened, for the report; the skeleton is let go."""
+        names of the values the candidates read and write (None or empty: there are no candidates). ``why``: what
+        onnx's shapes left undecided, for the report. ``needed=False``: every candidate was decided on onnx's
+        shapes, and it is not run. Returns what happened, for the report; the skeleton is let go."""
         skeleton, self.skeleton = self.skeleton, None
         if skeleton is None:
             return []
@@ -92,6 +98,10 @@ class PendingShapes:
         if not seeds:
             return [f"shapes: onnx's inference left some dims unknown; ONNX Runtime's symbolic inference was not run "
                     f"(no normalization candidates in {total} nodes)"]
+        if not needed:
+            return ["shapes: onnx's inference left some dims unknown; ONNX Runtime's symbolic inference was not run "
+                    "(every candidate was decided on onnx's shapes: no check refused, no norm-like statistic was "
+                    "left unmatched)"]
         cone = _cone(skeleton.graph, seeds)
         attempts = []
         if len(cone) == len(skeleton.graph.node) or total <= WHOLE_NODES:
@@ -119,7 +129,8 @@ class PendingShapes:
                 continue
             _apply(model, inferred, names)
             # no seconds in the note: the report is the same from run to run (the benchmark measures time)
-            notes.append(f"shapes: ONNX Runtime's symbolic inference ran on {label}")
+            notes.append(f"shapes: ONNX Runtime's symbolic inference ran on {label}"
+                         + (f", as onnx's shapes left a candidate undecided ({why})" if why else ""))
             return notes
         notes.append("shapes: kept onnx's inference alone; checks that need a dim it left unknown refuse and say so")
         return notes
@@ -269,6 +280,7 @@ def _apply(model: ir.Model, inferred: onnx.ModelProto, only: set[str] | None) ->
     graph's, its outputs' (the whole model only: a cone's outputs are its own) and its bodies'; then the
     functions', from their call sites' new types."""
     graph = inferred.graph
+    _rename_unknown_dims(graph)
     types = {v.name: v.type for v in graph.value_info}
     for body in proto_bodies(graph.node):
         types.update((v.name, v.type) for v in list(body.value_info) + list(body.output))
@@ -287,6 +299,19 @@ def _apply(model: ir.Model, inferred: onnx.ModelProto, only: set[str] | None) ->
                 _set(value, info.type, read)
     if model.functions:
         infer_function_types(model)
+
+
+def _rename_unknown_dims(graph: onnx.GraphProto) -> None:
+    """Rename the ``unk__N`` dims of this late inference (onnx's pass after ORT's names them so) to ``unk__late_N``:
+    the values it does not retype (outside the cone, or made by canonicalization or an earlier rewrite) keep the
+    names onnx's inference at load gave, which count from ``unk__0`` too, and the same name means the same dim."""
+    infos = [*graph.value_info, *graph.output]
+    for body in proto_bodies(graph.node):
+        infos += [*body.value_info, *body.output]
+    for info in infos:
+        for dim in info.type.tensor_type.shape.dim:
+            if dim.dim_param.startswith("unk__"):
+                dim.dim_param = "unk__late_" + dim.dim_param[len("unk__"):]
 
 
 def _set(value: ir.Value, type_proto: onnx.TypeProto, read: dict) -> None:
