@@ -19,7 +19,7 @@ import onnx_ir as ir
 from lnfuse.match import candidates as statistics
 from lnfuse.match.algebra import Cache
 from lnfuse.index.canonical import canonicalize
-from lnfuse.index.constants import static_value
+from lnfuse.index.constants import is_static, static_value
 from lnfuse.index.demand import PendingShapes
 from lnfuse.match.pattern import Match
 from lnfuse.save.provenance import mark_fused
@@ -107,6 +107,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             report.notes.extend(shapes.resolve(model, seeds))
             seeds = None
     before = (nodes if nodes is not None else nodes_of(model)) if seeds is not None else {}
+    replaced: dict[ir.Value, str] = {}  # fused outputs, and the name of the value each replaced
     names = _all_names(model, nodes)
     opsets_used: dict[str, int] = {}
     every_scope = list(scopes(model))
@@ -135,8 +136,9 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             kept = _verified(found.accepted, model, scope, options, report, found)
             if seeds is not None and (why := _undecided(rule, found, kept, found_stats)):
                 del report.fused[recorded:]  # this pass is done again on the new shapes
-                report.notes.extend(shapes.resolve(model, seeds, why=f"{scope.path}: {why}"))
-                retype_new_values(model, before)
+                _forget(found.accepted)
+                report.notes.extend(shapes.resolve(model, seeds, why=f"{scope.path}: {why}", aliases=replaced))
+                retype_new_values(model, before, keep=set(replaced))
                 seeds = None
                 if not swept:  # nothing rewritten in this graph yet: the statistics are found on the new shapes
                     found_stats = statistics.find(scope.graph)
@@ -146,6 +148,9 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
                 fused_by.update(dict.fromkeys(candidate.replacement.region,
                                               (rule.name, candidate.replacement.op_type)))
                 apply(scope.graph, candidate.replacement, found.position, ctx.fresh_name)
+                if seeds is not None:  # what each fused output stands for, by the name the inference knows
+                    replaced.update({new: replaced.get(old, old.name) for old, new in
+                                     candidate.replacement.outputs.items() if old.name})
                 opsets_used.update(candidate.replacement.opset_imports)
             refusals.append((rule, found))
             if kept:
@@ -167,15 +172,36 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
 
 def _undecided(rule: Rule, found: _Pass, kept: list[_Candidate], stats: list[statistics.Statistics]) -> str:
     """Why a pass on onnx's shapes may not be what the symbolic inference's would give ('' when it is): a check
-    refused a match (it may have needed a dim onnx left unknown), or a norm-like statistic of the rule's kind was
-    neither fused nor refused (shapes also decide what patterns match: a Reshape to its input's own shape, an
-    added zero of the same shape)."""
+    refused a match (it may have needed a dim onnx left unknown); a fused op reads several run-time tensors (how
+    their shapes relate is what the symbolic inference proves, and a rule may choose a smaller form, without a
+    refusal, where it cannot tell: an embedding's positions as an input rather than 0..S-1); or a norm-like
+    statistic of the rule's kind was neither fused nor refused (shapes also decide what patterns match: a Reshape
+    to its input's own shape, an added zero of the same shape). A fused op that reads one run-time tensor and
+    constants needs that tensor's rank and reduced dims, which onnx's shapes gave, or a check would have refused."""
     if found.any_refused:
         return f"{rule.name} refused a match"
+    if any(_run_time_inputs(c.replacement) > 1 for c in kept):
+        return f"{rule.name} fused ops that read several run-time tensors"
     fused = {node for c in kept for node in c.replacement.region}
     left = [s for s in stats if s.rule == rule.name and s.square.graph is not None
             and not fused.issuperset([s.square, *s.means])]
     return f"{rule.name} left {len(left)} norm-like statistic(s) unmatched" if left else ""
+
+
+def _forget(candidates: list[_Candidate]) -> None:
+    """Let go of replacements never applied: their nodes, though outside the graph, count among the readers of the
+    values they read, and would keep those alive in the clean-up and refuse later rewrites of them."""
+    for c in candidates:
+        for node in c.replacement.nodes:
+            for index in range(len(node.inputs)):
+                node.replace_input_with(index, None)
+
+
+def _run_time_inputs(rep: Replacement) -> int:
+    """How many distinct values not fixed at build time the replacement's nodes read from outside it."""
+    made = {v for node in rep.nodes for v in node.outputs}
+    read = {v for node in rep.nodes for v in node.inputs if v is not None and v not in made}
+    return sum(not is_static(v) for v in read)
 
 
 def scopes(model: ir.Model) -> Iterator[Scope]:
@@ -706,11 +732,14 @@ def type_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Nod
     return names
 
 
-def retype_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Node]) -> None:
+def retype_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Node],
+                      keep: set[ir.Value] = frozenset()) -> None:
     """Infer again, node by node in graph order, the shapes of the values lnfuse wrote (outputs of nodes not in
     ``before``), after the values they are computed from got new shapes: a norm fused on onnx's shapes carries
-    them, and a later rule compares it with values the symbolic inference has since renamed. Where inference now
-    says nothing, the shape it had stays (its dims are named apart from the new ones: ``demand._apply``)."""
+    them, and a later rule compares it with values the symbolic inference has since renamed. ``keep``: values
+    already given the new shape of the value they replaced (``PendingShapes.resolve``'s aliases), as rules type
+    a fused output. Where inference now says nothing, the shape it had stays (its dims are named apart from the new
+    ones: ``demand._rename_unknown_dims``)."""
     for graph in [model.graph, *model.functions.values()]:
         opsets = {**model.opset_imports, **(graph.opset_imports if isinstance(graph, ir.Function) else {})}
         new = [n for n in every_node(graph) if n not in before]
@@ -718,7 +747,8 @@ def retype_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.N
         untyped = []
         for node in new:
             for value in node.outputs:
-                value.shape = None
+                if value not in keep:
+                    value.shape = None
             if not _infer_node(node, opsets, model.ir_version):
                 untyped.append(node)
         if untyped:

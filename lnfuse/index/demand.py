@@ -8,8 +8,8 @@ So at load it is only prepared (``infer_shapes_deferred``), and the engine asks 
 once it knows where the candidates are, and only if onnx's shapes do not decide them:
 
 * no candidates (no node of any rule's anchor ops): it never runs;
-* candidates, all decided on onnx's shapes (each rule's pass fused every norm-like statistic of its kind and no
-  check refused a match): it never runs either. A fact onnx leaves unknown is refused by the checks, never assumed,
+* candidates, all decided on onnx's shapes (each rule's pass fused every norm-like statistic of its kind, no
+  check refused a match, and each fused op reads one run-time tensor besides constants): it never runs either. A fact onnx leaves unknown is refused by the checks, never assumed,
   so these fusions hold; and a dim only ORT's inference could name can change a pass only through a refusal or a
   statistic left unmatched (``engine._undecided``), where it then runs and the pass is done again;
 * candidates: it runs on the whole model if the model is small (``WHOLE_NODES``; the shapes are then exactly what
@@ -26,7 +26,7 @@ import ctypes
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import onnx
 import onnx_ir as ir
@@ -85,11 +85,12 @@ class PendingShapes:
     symbolic_runs: int = 0
 
     def resolve(self, model: ir.Model, seeds: Iterable[str] | None, why: str | None = None,
-                needed: bool = True) -> list[str]:
+                needed: bool = True, aliases: Mapping[ir.Value, str] | None = None) -> list[str]:
         """Give ``model``'s values the symbolic inference's shapes where candidates need them. ``seeds``: the
         names of the values the candidates read and write (None or empty: there are no candidates). ``why``: what
         onnx's shapes left undecided, for the report. ``needed=False``: every candidate was decided on onnx's
-        shapes, and it is not run. Returns what happened, for the report; the skeleton is let go."""
+        shapes, and it is not run. ``aliases``: values written since load, each typed like the value of that name
+        it replaced. Returns what happened, for the report; the skeleton is let go."""
         skeleton, self.skeleton = self.skeleton, None
         if skeleton is None:
             return []
@@ -100,8 +101,8 @@ class PendingShapes:
                     f"(no normalization candidates in {total} nodes)"]
         if not needed:
             return ["shapes: onnx's inference left some dims unknown; ONNX Runtime's symbolic inference was not run "
-                    "(every candidate was decided on onnx's shapes: no check refused, no norm-like statistic was "
-                    "left unmatched)"]
+                    "(every candidate was decided on onnx's shapes: no check refused, no fused op reads several "
+                    "run-time tensors, no norm-like statistic was left unmatched)"]
         cone = _cone(skeleton.graph, seeds)
         attempts = []
         if len(cone) == len(skeleton.graph.node) or total <= WHOLE_NODES:
@@ -127,7 +128,7 @@ class PendingShapes:
                 notes.append(f"shapes: ONNX Runtime's symbolic inference of {label} stopped at its budget "
                              f"({budget:.2f} CPU-s for {nodes} nodes)")
                 continue
-            _apply(model, inferred, names)
+            _apply(model, inferred, names, aliases or {})
             # no seconds in the note: the report is the same from run to run (the benchmark measures time)
             notes.append(f"shapes: ONNX Runtime's symbolic inference ran on {label}"
                          + (f", as onnx's shapes left a candidate undecided ({why})" if why else ""))
@@ -275,7 +276,8 @@ def _sub_skeleton(skeleton: onnx.ModelProto, cone: list[int]) -> tuple[onnx.Mode
     return sub, names
 
 
-def _apply(model: ir.Model, inferred: onnx.ModelProto, only: set[str] | None) -> None:
+def _apply(model: ir.Model, inferred: onnx.ModelProto, only: set[str] | None,
+           aliases: Mapping[ir.Value, str] | None = None) -> None:
     """Set the types ``inferred`` gives on ``model``'s values (those named in ``only``, when given): the main
     graph's, its outputs' (the whole model only: a cone's outputs are its own) and its bodies'; then the
     functions', from their call sites' new types."""
@@ -293,6 +295,10 @@ def _apply(model: ir.Model, inferred: onnx.ModelProto, only: set[str] | None) ->
             if type_proto is None or (value.is_graph_output() and node.graph is model.graph):
                 continue
             _set(value, type_proto, read)
+    for value, name in (aliases or {}).items():
+        type_proto = types.get(name)
+        if type_proto is not None and not value.is_graph_output():
+            _set(value, type_proto, read)
     if only is None:
         for value, info in zip(model.graph.outputs, graph.output):
             if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
@@ -302,15 +308,18 @@ def _apply(model: ir.Model, inferred: onnx.ModelProto, only: set[str] | None) ->
 
 
 def _rename_unknown_dims(graph: onnx.GraphProto) -> None:
-    """Rename the ``unk__N`` dims of this late inference (onnx's pass after ORT's names them so) to ``unk__late_N``:
-    the values it does not retype (outside the cone, or made by canonicalization or an earlier rewrite) keep the
-    names onnx's inference at load gave, which count from ``unk__0`` too, and the same name means the same dim."""
+    """Rename the ``unk__N`` dims this late inference made (onnx's pass after ORT's names them so) to
+    ``unk__late_N``: the values it does not retype (outside the cone, or made by canonicalization or an earlier
+    rewrite) keep the names onnx's inference at load gave, which count from ``unk__0`` too, and the same name means
+    the same dim. A graph input's own dim names (an exporter may write ``unk__183`` there) are the same dims in
+    both, and stay."""
+    declared = {d.dim_param for v in graph.input for d in v.type.tensor_type.shape.dim}
     infos = [*graph.value_info, *graph.output]
     for body in proto_bodies(graph.node):
         infos += [*body.value_info, *body.output]
     for info in infos:
         for dim in info.type.tensor_type.shape.dim:
-            if dim.dim_param.startswith("unk__"):
+            if dim.dim_param.startswith("unk__") and dim.dim_param not in declared:
                 dim.dim_param = "unk__late_" + dim.dim_param[len("unk__"):]
 
 
