@@ -19,7 +19,7 @@ import onnx_ir as ir
 from lnfuse.match import candidates as statistics
 from lnfuse.match.algebra import Cache
 from lnfuse.index.canonical import canonicalize
-from lnfuse.index.constants import static_value
+from lnfuse.index.constants import is_static, static_value
 from lnfuse.index.demand import PendingShapes
 from lnfuse.match.pattern import Match
 from lnfuse.save.provenance import mark_fused
@@ -85,15 +85,29 @@ class _Pass:
     refused: dict[ir.Node, list[_Attempt]] = field(default_factory=dict)
     #: graph order of the nodes when the pass began (indexing once keeps a pass linear in the graph's size)
     position: dict[ir.Node, float] = field(default_factory=dict)
+    #: a check refused some match, even one a smaller form then superseded (``refused`` forgets those)
+    any_refused: bool = False
+
+    def refuse(self, anchor: ir.Node, attempt: _Attempt) -> None:
+        self.refused.setdefault(anchor, []).append(attempt)
+        self.any_refused = True
 
 
 def fuse_model(model: ir.Model, options: Options, report: Report,
                nodes: Iterable[ir.Node] | None = None, shapes: PendingShapes | None = None) -> None:
     """Rewrite ``model`` in place and record what happened in ``report``. ``nodes``: every node of the model
-    (``nodes_of``), when the caller has them. ``shapes``: the symbolic shape inference the load deferred, run here
-    for the values the candidates need (before canonicalization, on the graph as loaded, as at load)."""
+    (``nodes_of``), when the caller has them. ``shapes``: the symbolic shape inference the load deferred. Rules
+    first match and check on onnx's shapes (exact, where known); the symbolic inference runs, for the values the
+    candidates need, only when a rule's pass leaves something undecided on them (``_undecided``), and that pass is
+    then done again."""
+    seeds: set[str] | None = None  # the candidates' values, while the symbolic inference waits
     if shapes is not None:
-        report.notes.extend(shapes.resolve(model, demand(model, options)))
+        seeds = demand(model, options)
+        if not seeds:
+            report.notes.extend(shapes.resolve(model, seeds))
+            seeds = None
+    before = (nodes if nodes is not None else nodes_of(model)) if seeds is not None else {}
+    replaced: dict[ir.Value, str] = {}  # fused outputs, and the name of the value each replaced
     names = _all_names(model, nodes)
     opsets_used: dict[str, int] = {}
     every_scope = list(scopes(model))
@@ -118,11 +132,25 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             order = order or _Order.of(scope.graph)
             ran.add(rule.name)
             found = find(rule, ctx, order)
+            recorded = len(report.fused)
             kept = _verified(found.accepted, model, scope, options, report, found)
+            if seeds is not None and (why := _undecided(rule, found, kept, found_stats)):
+                del report.fused[recorded:]  # this pass is done again on the new shapes
+                _forget(found.accepted)
+                report.notes.extend(shapes.resolve(model, seeds, why=f"{scope.path}: {why}", aliases=replaced))
+                retype_new_values(model, before, keep=set(replaced))
+                seeds = None
+                if not swept:  # nothing rewritten in this graph yet: the statistics are found on the new shapes
+                    found_stats = statistics.find(scope.graph)
+                found = find(rule, ctx, order)
+                kept = _verified(found.accepted, model, scope, options, report, found)
             for candidate in kept:
                 fused_by.update(dict.fromkeys(candidate.replacement.region,
                                               (rule.name, candidate.replacement.op_type)))
                 apply(scope.graph, candidate.replacement, found.position, ctx.fresh_name)
+                if seeds is not None:  # what each fused output stands for, by the name the inference knows
+                    replaced.update({new: replaced.get(old, old.name) for old, new in
+                                     candidate.replacement.outputs.items() if old.name})
                 opsets_used.update(candidate.replacement.opset_imports)
             refusals.append((rule, found))
             if kept:
@@ -133,11 +161,47 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             cleanup(scope.graph, [])
         accounted = _record_candidates(scope, found_stats, refusals, fused_by, ran, report)
         _record_refusals(scope, refusals, report, accounted)
+    if seeds is not None:
+        report.notes.extend(shapes.resolve(model, seeds, needed=False))
     for domain, version in opsets_used.items():
         model.opset_imports.setdefault(domain, version)
         for function in model.functions.values():
             if any(n.domain == domain for n in function):
                 function.opset_imports.setdefault(domain, version)
+
+
+def _undecided(rule: Rule, found: _Pass, kept: list[_Candidate], stats: list[statistics.Statistics]) -> str:
+    """Why a pass on onnx's shapes may not be what the symbolic inference's would give ('' when it is): a check
+    refused a match (it may have needed a dim onnx left unknown); a fused op reads several run-time tensors (how
+    their shapes relate is what the symbolic inference proves, and a rule may choose a smaller form, without a
+    refusal, where it cannot tell: an embedding's positions as an input rather than 0..S-1); or a norm-like
+    statistic of the rule's kind was neither fused nor refused (shapes also decide what patterns match: a Reshape
+    to its input's own shape, an added zero of the same shape). A fused op that reads one run-time tensor and
+    constants needs that tensor's rank and reduced dims, which onnx's shapes gave, or a check would have refused."""
+    if found.any_refused:
+        return f"{rule.name} refused a match"
+    if any(_run_time_inputs(c.replacement) > 1 for c in kept):
+        return f"{rule.name} fused ops that read several run-time tensors"
+    fused = {node for c in kept for node in c.replacement.region}
+    left = [s for s in stats if s.rule == rule.name and s.square.graph is not None
+            and not fused.issuperset([s.square, *s.means])]
+    return f"{rule.name} left {len(left)} norm-like statistic(s) unmatched" if left else ""
+
+
+def _forget(candidates: list[_Candidate]) -> None:
+    """Let go of replacements never applied: their nodes, though outside the graph, count among the readers of the
+    values they read, and would keep those alive in the clean-up and refuse later rewrites of them."""
+    for c in candidates:
+        for node in c.replacement.nodes:
+            for index in range(len(node.inputs)):
+                node.replace_input_with(index, None)
+
+
+def _run_time_inputs(rep: Replacement) -> int:
+    """How many distinct values not fixed at build time the replacement's nodes read from outside it."""
+    made = {v for node in rep.nodes for v in node.outputs}
+    read = {v for node in rep.nodes for v in node.inputs if v is not None and v not in made}
+    return sum(not is_static(v) for v in read)
 
 
 def scopes(model: ir.Model) -> Iterator[Scope]:
@@ -239,7 +303,7 @@ def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:
             for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match(cache=cache))):
                 for anchor in rule.anchor_nodes(m):
                     if anchor not in consumed:
-                        found.refused.setdefault(anchor, []).append(_Attempt(Refusal(check, reason), list(m.nodes)))
+                        found.refuse(anchor, _Attempt(Refusal(check, reason), list(m.nodes)))
     for candidate in found.accepted:
         for anchor in candidate.anchors:
             found.refused.pop(anchor, None)
@@ -328,8 +392,7 @@ def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir
                 check_no_cycle(replacement, position)
             except Refusal as refusal:
                 for anchor in anchors:
-                    found.refused.setdefault(anchor, []).append(
-                        _Attempt(refusal, list(m.nodes), stage, m.values.read() + m.named_nodes.read()))
+                    found.refuse(anchor, _Attempt(refusal, list(m.nodes), stage, m.values.read() + m.named_nodes.read()))
                 continue
             # a larger form refused for its gamma/beta means the affine stays outside: say so
             notes = list(dict.fromkeys(a.refusal.detail for anchor in anchors for a in found.refused.get(anchor, [])
@@ -424,7 +487,7 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
         else:
             refusal = Refusal("verify", f"{c.replacement.op_type} rewrite not applied: {outcome.detail}")
             for anchor in c.anchors:
-                found.refused.setdefault(anchor, []).append(_Attempt(refusal, c.replacement.region, stage=3))
+                found.refuse(anchor, _Attempt(refusal, c.replacement.region, stage=3))
     return kept
 
 
@@ -667,6 +730,32 @@ def type_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Nod
                 value.shape = _plausible(value.shape)
         names.update(v.name for n in new for v in n.outputs if v.name and not _untyped(v))
     return names
+
+
+def retype_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Node],
+                      keep: set[ir.Value] = frozenset()) -> None:
+    """Infer again, node by node in graph order, the shapes of the values lnfuse wrote (outputs of nodes not in
+    ``before``), after the values they are computed from got new shapes: a norm fused on onnx's shapes carries
+    them, and a later rule compares it with values the symbolic inference has since renamed. ``keep``: values
+    already given the new shape of the value they replaced (``PendingShapes.resolve``'s aliases), as rules type
+    a fused output. Where inference now says nothing, the shape it had stays (its dims are named apart from the new
+    ones: ``demand._rename_unknown_dims``)."""
+    for graph in [model.graph, *model.functions.values()]:
+        opsets = {**model.opset_imports, **(graph.opset_imports if isinstance(graph, ir.Function) else {})}
+        new = [n for n in every_node(graph) if n not in before]
+        had = {v: v.shape for n in new for v in n.outputs}
+        untyped = []
+        for node in new:
+            for value in node.outputs:
+                if value not in keep:
+                    value.shape = None
+            if not _infer_node(node, opsets, model.ir_version):
+                untyped.append(node)
+        if untyped:
+            _infer_contrib(untyped, opsets, model.ir_version)
+        for value, shape in had.items():
+            if value.shape is None:
+                value.shape = shape
 
 
 #: no real tensor has this many elements; a larger static shape comes from a declared dim nothing checks

@@ -5,9 +5,13 @@ ONNX Runtime's symbolic inference can name them (the residual rule proves addend
 but it is Python and sympy: about 0.1 ms a node on a transformer, and seconds for each Resize of a detector's neck,
 where sympy simplifies nested floor expressions (a 50-Resize FPN took 27 s, where loading and saving take 0.1 s).
 So at load it is only prepared (``infer_shapes_deferred``), and the engine asks for it (``PendingShapes.resolve``)
-once it knows where the candidates are:
+once it knows where the candidates are, and only if onnx's shapes do not decide them:
 
 * no candidates (no node of any rule's anchor ops): it never runs;
+* candidates, all decided on onnx's shapes (each rule's pass fused every norm-like statistic of its kind, no
+  check refused a match, and each fused op reads one run-time tensor besides constants): it never runs either. A fact onnx leaves unknown is refused by the checks, never assumed,
+  so these fusions hold; and a dim only ORT's inference could name can change a pass only through a refusal or a
+  statistic left unmatched (``engine._undecided``), where it then runs and the pass is done again;
 * candidates: it runs on the whole model if the model is small (``WHOLE_NODES``; the shapes are then exactly what
   they always were), else on the candidates' cone (the nodes near an anchor and every node they are computed from:
   a value's shape depends only on those);
@@ -22,7 +26,7 @@ import ctypes
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import onnx
 import onnx_ir as ir
@@ -66,6 +70,10 @@ class _OverBudget(BaseException):
     ``except Exception`` blocks must not swallow it."""
 
 
+class _Interrupted(_OverBudget):
+    """The watchdog's ``_OverBudget``, raised asynchronously in the inferring thread (``_within``)."""
+
+
 @dataclass
 class PendingShapes:
     """A model whose shapes onnx's inference left incomplete at load: its skeleton (weights as typed inputs, no
@@ -76,10 +84,13 @@ class PendingShapes:
     #: times ORT's symbolic inference was started on this model (what tests and benchmarks can observe)
     symbolic_runs: int = 0
 
-    def resolve(self, model: ir.Model, seeds: Iterable[str] | None) -> list[str]:
+    def resolve(self, model: ir.Model, seeds: Iterable[str] | None, why: str | None = None,
+                needed: bool = True, aliases: Mapping[ir.Value, str] | None = None) -> list[str]:
         """Give ``model``'s values the symbolic inference's shapes where candidates need them. ``seeds``: the
-        names of the values the candidates read and write (None or empty: there are no candidates). Returns
-        what happened, for the report; the skeleton is let go."""
+        names of the values the candidates read and write (None or empty: there are no candidates). ``why``: what
+        onnx's shapes left undecided, for the report. ``needed=False``: every candidate was decided on onnx's
+        shapes, and it is not run. ``aliases``: values written since load, each typed like the value of that name
+        it replaced. Returns what happened, for the report; the skeleton is let go."""
         skeleton, self.skeleton = self.skeleton, None
         if skeleton is None:
             return []
@@ -88,6 +99,10 @@ class PendingShapes:
         if not seeds:
             return [f"shapes: onnx's inference left some dims unknown; ONNX Runtime's symbolic inference was not run "
                     f"(no normalization candidates in {total} nodes)"]
+        if not needed:
+            return ["shapes: onnx's inference left some dims unknown; ONNX Runtime's symbolic inference was not run "
+                    "(every candidate was decided on onnx's shapes: no check refused, no fused op reads several "
+                    "run-time tensors, no norm-like statistic was left unmatched)"]
         cone = _cone(skeleton.graph, seeds)
         attempts = []
         if len(cone) == len(skeleton.graph.node) or total <= WHOLE_NODES:
@@ -113,9 +128,10 @@ class PendingShapes:
                 notes.append(f"shapes: ONNX Runtime's symbolic inference of {label} stopped at its budget "
                              f"({budget:.2f} CPU-s for {nodes} nodes)")
                 continue
-            _apply(model, inferred, names)
+            _apply(model, inferred, names, aliases or {})
             # no seconds in the note: the report is the same from run to run (the benchmark measures time)
-            notes.append(f"shapes: ONNX Runtime's symbolic inference ran on {label}")
+            notes.append(f"shapes: ONNX Runtime's symbolic inference ran on {label}"
+                         + (f", as onnx's shapes left a candidate undecided ({why})" if why else ""))
             return notes
         notes.append("shapes: kept onnx's inference alone; checks that need a dim it left unknown refuse and say so")
         return notes
@@ -125,15 +141,19 @@ def _within(seconds: float, work: Callable[[Callable[[], None]], onnx.ModelProto
     """``work(check)``, or None if it takes more than ``seconds`` of this thread's CPU time.
 
     sympy can spend seconds inside one node, so a check between nodes (``check``, which ORT's loop calls) is not
-    enough: a watchdog thread reads this thread's CPU clock and, past the budget, raises ``_OverBudget`` in it
+    enough: a watchdog thread reads this thread's CPU clock and, past the budget, raises ``_Interrupted`` in it
     (``PyThreadState_SetAsyncExc``: raised at the next bytecode, so inside sympy's pure Python; it works in any
     thread, unlike a signal, and costs nothing while it waits, unlike a trace function). A C call in progress
-    finishes first; ``check`` is the backstop should an exception handler in between swallow it."""
+    finishes first; ``check`` is the backstop should an exception handler in between swallow it.
+
+    An exception sent and not yet raised when the work ends is raised here and caught (``_absorb``), never
+    cleared with ``SetAsyncExc(NULL)``: CPython 3.11 then leaves the interpreter's eval breaker set for good, and
+    under a profiler or tracer (cProfile, coverage) the next function entry spins forever."""
     thread = threading.get_ident()
     clock = _cpu_clock(thread)
     start = clock()
-    lock, open_, fired = threading.Lock(), [True], threading.Event()
-    stop = threading.Event()
+    lock, open_, sent = threading.Lock(), [True], [False]
+    fired, stop = threading.Event(), threading.Event()
 
     def watch() -> None:
         while not stop.wait(_POLL_SECONDS):
@@ -141,8 +161,9 @@ def _within(seconds: float, work: Callable[[Callable[[], None]], onnx.ModelProto
                 with lock:
                     if open_[0]:
                         fired.set()
+                        sent[0] = True
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
-                                                                   ctypes.py_object(_OverBudget))
+                                                                   ctypes.py_object(_Interrupted))
                 return
 
     def check() -> None:
@@ -150,20 +171,42 @@ def _within(seconds: float, work: Callable[[Callable[[], None]], onnx.ModelProto
             fired.set()
             raise _OverBudget
 
+    def close() -> None:
+        with lock:
+            open_[0] = False  # from here on the watchdog sends nothing
+        stop.set()
+        if sent[0]:
+            _absorb()
+
     watchdog = threading.Thread(target=watch, name="lnfuse-shape-budget", daemon=True)
+    result = None
     try:
-        try:
-            watchdog.start()
-            return work(check)
-        finally:
-            with lock:
-                open_[0] = False
-            stop.set()
-            if fired.is_set():  # raised, or still pending: clear what has not been raised yet
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
-            watchdog.join()
+        watchdog.start()
+        result = work(check)
     except _OverBudget:
-        return None
+        result = None
+    # the sent exception may surface anywhere until absorbed, close() included: repeat until it ran through
+    while True:
+        try:
+            close()
+            break
+        except _Interrupted:
+            continue
+    watchdog.join()
+    return None if fired.is_set() else result
+
+
+def _absorb() -> None:
+    """Raise a pending asynchronous exception here: CPython checks for one on entering a Python function, so the
+    call to ``_entered`` raises it if it is pending, and does nothing otherwise."""
+    try:
+        _entered()
+    except _Interrupted:
+        pass
+
+
+def _entered() -> None:
+    return None
 
 
 def _cpu_clock(thread: int) -> Callable[[], float]:
@@ -233,11 +276,13 @@ def _sub_skeleton(skeleton: onnx.ModelProto, cone: list[int]) -> tuple[onnx.Mode
     return sub, names
 
 
-def _apply(model: ir.Model, inferred: onnx.ModelProto, only: set[str] | None) -> None:
+def _apply(model: ir.Model, inferred: onnx.ModelProto, only: set[str] | None,
+           aliases: Mapping[ir.Value, str] | None = None) -> None:
     """Set the types ``inferred`` gives on ``model``'s values (those named in ``only``, when given): the main
     graph's, its outputs' (the whole model only: a cone's outputs are its own) and its bodies'; then the
     functions', from their call sites' new types."""
     graph = inferred.graph
+    _rename_unknown_dims(graph)
     types = {v.name: v.type for v in graph.value_info}
     for body in proto_bodies(graph.node):
         types.update((v.name, v.type) for v in list(body.value_info) + list(body.output))
@@ -250,12 +295,32 @@ def _apply(model: ir.Model, inferred: onnx.ModelProto, only: set[str] | None) ->
             if type_proto is None or (value.is_graph_output() and node.graph is model.graph):
                 continue
             _set(value, type_proto, read)
+    for value, name in (aliases or {}).items():
+        type_proto = types.get(name)
+        if type_proto is not None and not value.is_graph_output():
+            _set(value, type_proto, read)
     if only is None:
         for value, info in zip(model.graph.outputs, graph.output):
             if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
                 _set(value, info.type, read)
     if model.functions:
         infer_function_types(model)
+
+
+def _rename_unknown_dims(graph: onnx.GraphProto) -> None:
+    """Rename the ``unk__N`` dims this late inference made (onnx's pass after ORT's names them so) to
+    ``unk__late_N``: the values it does not retype (outside the cone, or made by canonicalization or an earlier
+    rewrite) keep the names onnx's inference at load gave, which count from ``unk__0`` too, and the same name means
+    the same dim. A graph input's own dim names (an exporter may write ``unk__183`` there) are the same dims in
+    both, and stay."""
+    declared = {d.dim_param for v in graph.input for d in v.type.tensor_type.shape.dim}
+    infos = [*graph.value_info, *graph.output]
+    for body in proto_bodies(graph.node):
+        infos += [*body.value_info, *body.output]
+    for info in infos:
+        for dim in info.type.tensor_type.shape.dim:
+            if dim.dim_param.startswith("unk__") and dim.dim_param not in declared:
+                dim.dim_param = "unk__late_" + dim.dim_param[len("unk__"):]
 
 
 def _set(value: ir.Value, type_proto: onnx.TypeProto, read: dict) -> None:
