@@ -391,9 +391,11 @@ def _first_valid(rule: Rule, ctx: GraphContext, root: ir.Value, consumed: set[ir
                 stage = 2
                 check_no_cycle(replacement, position)
             except Refusal as refusal:
+                ctx.settle(keep=False)
                 for anchor in anchors:
                     found.refuse(anchor, _Attempt(refusal, list(m.nodes), stage, m.values.read() + m.named_nodes.read()))
                 continue
+            ctx.settle(keep=True)
             # a larger form refused for its gamma/beta means the affine stays outside: say so
             notes = list(dict.fromkeys(a.refusal.detail for anchor in anchors for a in found.refused.get(anchor, [])
                                        if a.refusal.check in ("gamma", "beta")))
@@ -485,6 +487,7 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
             c.notes.extend(q.describe() for q in outcome.requantized)
             _record_fused(c, scope, outcome.max_error, report)
         else:
+            _forget([c])
             refusal = Refusal("verify", f"{c.replacement.op_type} rewrite not applied: {outcome.detail}")
             for anchor in c.anchors:
                 found.refuse(anchor, _Attempt(refusal, c.replacement.region, stage=3))

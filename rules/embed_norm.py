@@ -349,8 +349,7 @@ def _unviewed(m: Match, i: int, ids: ir.Value, table: ir.Value, total: ir.Value)
         reshaped = None if entries is None else _reshaped(ids_dims, entries, attr_value(reshaped_ids, "allowzero", 0))
         if reshaped is None:
             raise Refusal("lookup", f"Reshape '{node_name(reshaped_ids)}' of the ids '{ids.name}' {_fmt(ids_dims)} in "
-                          f"front of Gather '{node_name(gather)}': its target {entries} is not proved from "
-                          "constants and known dims")
+                          f"front of Gather '{node_name(gather)}': {_target(entries)}")
         dims = reshaped + table_dims[1:]
     views: tuple[ir.Node, ...] = m.fact(f"views{i}", ())
     moves = [node for node in views if node.op_type != "Identity"]  # an Identity moves nothing, wherever it is
@@ -381,8 +380,7 @@ def _view(node: ir.Node, dims: list[_Dim]) -> tuple[list[_Dim], list[int]]:
         entries = _shape_vector(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
         out = None if entries is None else _reshaped(dims, entries, attr_value(node, "allowzero", 0))
         if out is None:
-            raise Refusal("lookup", f"Reshape '{name}' of the looked-up rows {_fmt(dims)}: its target {entries} is "
-                          "not proved from constants and known dims")
+            raise Refusal("lookup", f"Reshape '{name}' of the looked-up rows {_fmt(dims)}: {_target(entries)}")
         return out, []
     if op == "Flatten":
         axis = attr_value(node, "axis", 1)
@@ -508,17 +506,44 @@ def _reshaped(dims: list[_Dim], entries: list, allowzero: int) -> list[_Dim] | N
     return out if _product(out) == _product(dims) else None
 
 
-def _shape_vector(value: ir.Value, depth: int = 0) -> list | None:
+#: the longest shape vector read: a lookup's Reshape target has the rank of the sum (a longer one is no lookup's)
+_MAX_SHAPE_ENTRIES = 8
+
+
+def _target(entries: list | None) -> str:
+    """Why a Reshape's target does not prove the lookup's shape, for a refusal."""
+    if entries is None:
+        return ("its target is neither a constant nor a Concat of Shape slices of known dims (at most "
+                f"{_MAX_SHAPE_ENTRIES} entries)")
+    return f"its target {_fmt(entries)} is not proved to give the rows the lookup's own shape"
+
+
+def _shape_vector(value: ir.Value) -> list | None:
     """The entries of a shape input: a constant's ints (a Reshape's 0 and -1 keep their meaning), or the dims that
     ``Shape(x)[start:end]`` pieces of a Concat read, as proven dims; None when neither."""
+    return _entries(value, 0, {})
+
+
+def _entries(value: ir.Value, depth: int, seen: dict) -> list | None:
+    # each value once (a Concat may read one piece many times, at every level), and never more entries than a
+    # lookup's rank: the work is bounded by the graph, not by its fan-out
+    if value not in seen:
+        seen[value] = None  # a value met again on its own path is no shape vector
+        found = _entries_of(value, depth, seen)
+        seen[value] = found if found is None or len(found) <= _MAX_SHAPE_ENTRIES else None
+    return seen[value]
+
+
+def _entries_of(value: ir.Value, depth: int, seen: dict) -> list | None:
     array = static_value(value)
     if array is not None:
-        return [int(v) for v in array.reshape(-1)] if array.ndim == 1 and array.dtype.kind in "iu" else None
+        return [int(v) for v in array.reshape(-1)] if array.ndim == 1 and array.dtype.kind in "iu" and \
+            array.size <= _MAX_SHAPE_ENTRIES else None
     node = value.producer()
     if node is None or depth > 4 or node.domain not in ("", "ai.onnx"):
         return None
     if node.op_type in ("Cast", "Identity"):
-        return _shape_vector(node.inputs[0], depth + 1)
+        return _entries(node.inputs[0], depth + 1, seen)
     if node.op_type == "Shape":
         dims = _dims(node.inputs[0])
         if dims is None:
@@ -526,9 +551,14 @@ def _shape_vector(value: ir.Value, depth: int = 0) -> list | None:
         rank = len(dims)
         start, end = attr_value(node, "start", 0), attr_value(node, "end", rank)
         return dims[max(start + rank if start < 0 else start, 0):min(end + rank if end < 0 else end, rank)]
-    if node.op_type == "Concat" and attr_value(node, "axis") in (0, -1):
-        parts = [_shape_vector(v, depth + 1) for v in node.inputs]
-        return None if any(p is None for p in parts) else [e for p in parts for e in p]
+    if node.op_type == "Concat" and attr_value(node, "axis") in (0, -1) and len(node.inputs) <= _MAX_SHAPE_ENTRIES:
+        parts = []
+        for v in node.inputs:
+            part = _entries(v, depth + 1, seen)
+            if part is None or len(parts) + len(part) > _MAX_SHAPE_ENTRIES:
+                return None
+            parts += part
+        return parts
     return None
 
 

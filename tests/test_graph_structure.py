@@ -193,3 +193,22 @@ def test_tf2onnx_global_average_pool_mean():
     result = lnfuse.fuse(model)
     assert op_types(result.model) == ["LayerNormalization"], result.report.unfused
     _same_outputs(model, result.model, feeds_for(model))
+
+
+def test_a_build_let_go_leaves_no_reader_behind():
+    """A node a rule made for a rewrite that is then refused reads its inputs from the moment it exists; let go, it
+    must read nothing, or the clean-up would keep the values it read alive and later checks would see a reader."""
+    import onnx_ir as ir
+
+    from lnfuse.match.rule import GraphContext
+
+    x = ir.Value(name="x")
+    graph = ir.Graph([x], [], nodes=[])
+    ctx = GraphContext(graph, 17, "ort", "main", set())
+    ctx.node("Transpose", [x], {"perm": [1, 0]})
+    assert len(list(x.uses())) == 1
+    ctx.settle(keep=False)
+    assert list(x.uses()) == []
+    kept = ctx.node("Neg", [x])
+    ctx.settle(keep=True)
+    assert [use.node for use in x.uses()] == [kept]

@@ -60,6 +60,8 @@ class GraphContext:
         self._used = used_names
         self._counter = itertools.count()
         self.is_function = isinstance(graph, ir.Function)
+        #: nodes made by builds not yet settled (``settle``): a node reads its inputs from the moment it exists
+        self._made: list[ir.Node] = []
 
     def fresh_name(self, hint: str) -> str:
         name = hint
@@ -81,7 +83,18 @@ class GraphContext:
                        name=self.fresh_name(f"{hint}/{op_type}"))
         for i, out in enumerate(node.outputs):
             out.name = self.fresh_name(f"{hint}/{op_type}_out{i}")
+        self._made.append(node)
         return node
+
+    def settle(self, keep: bool) -> None:
+        """End a build: keep what it made (the engine then owns it), or let it go. A node never applied still
+        counts among the readers of the values it reads, which would keep them alive in the clean-up and refuse
+        later rewrites of them."""
+        if not keep:
+            for node in self._made:
+                for index in range(len(node.inputs)):
+                    node.replace_input_with(index, None)
+        self._made.clear()
 
 
 class Rule(abc.ABC):

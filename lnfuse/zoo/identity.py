@@ -55,7 +55,7 @@ class ModelIdentity:
             return self.early()
         try:
             digest, keys = self.digest(data_files)
-        except LnfuseError:
+        except (LnfuseError, OSError):  # refused by the gate, or gone or unreadable since it was admitted
             return self.early()
         return {"sha256": digest, "data_files": list(data_files), "stat": keys,
                 "bytes_in": sum(key[2] for key in keys)}

@@ -145,8 +145,8 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
 
 def _read_files(model, path: Path) -> list[str] | None:
     """The data files the fuse's load admitted through its gate (``io.INPUT_FILES``: the model file, then those),
-    relative to the model's real folder. A model that is not that load's (``--upgrade-opset`` keeps a second load
-    of the converted model, whose list holds only the weights' files) is listed again (``listed_files``)."""
+    relative to the model's real folder. A list that does not start with this model file (a model not from that
+    load) is not trusted: the model is listed again (``listed_files``)."""
     from lnfuse.load.io import INPUT_FILES
 
     files = [Path(f) for f in model.meta.get(INPUT_FILES, [])]
@@ -171,8 +171,6 @@ def listed_files(path: Path) -> list[str] | None:
     parse, or the gate refuses one of its references)."""
     try:
         return data_files(path)
-    except (LnfuseError, MemoryError):
-        return None
     except Exception:  # noqa: BLE001 - whatever the parse raises, the data files are unknown, and so is the hash
         return None
 

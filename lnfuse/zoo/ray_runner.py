@@ -124,6 +124,11 @@ class _Pool:
         actor, job = self.flying.pop(ref)
         try:
             row = self.ray.get(ref)
+        except self.ray.exceptions.RayTaskError as error:
+            # the call itself raised (the actor lives): a fault of the job, not of the cluster; no retry
+            self.idle.append(actor)
+            text = (str(error).strip().splitlines() or [type(error).__name__])[-1][:200]
+            return job.row(status="internal error", exit=INTERNAL, reason=f"{text}; please report it with the model")
         except self.ray.exceptions.RayError as error:
             self._end([actor])
             self.tries[job.source] += 1
