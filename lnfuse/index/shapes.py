@@ -66,7 +66,10 @@ def _infer(proto: onnx.ModelProto, symbolic: _Symbolic | None) -> tuple[onnx.Mod
     per Resize on a detector's neck) does it instead, when ``symbolic`` is given, and onnx's then fills in what
     the symbolic pass left open.
     """
-    safe = not _has_huge_input(proto) and not _long_vector(proto) and not _sizes_out_of_sight(proto)
+    plain = _plain(proto)
+    if plain is not None and _complete(plain.graph):
+        return plain, None, True  # every shape known without data propagation, which could add nothing
+    safe = not _has_huge_input(proto) and not _long_vector(plain) and not _sizes_out_of_sight(proto)
     quick = None
     if safe:
         with contextlib.suppress(Exception):
@@ -209,14 +212,20 @@ def _has_huge_input(proto: onnx.ModelProto) -> bool:
                for v in proto.graph.input if v.type.tensor_type.shape.dim)
 
 
-def _long_vector(proto: onnx.ModelProto) -> bool:
-    """Whether onnx's inference without data propagation (which folds nothing) finds a 1-D value longer than the
-    budget. onnx's data propagation holds every 1-D value that reaches an op it propagates through (Add, Concat,
+def _plain(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """onnx's inference without data propagation (which folds nothing), or None where it fails."""
+    try:
+        return onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # noqa: BLE001 - then data propagation would fail as well
+        return None
+
+
+def _long_vector(plain: onnx.ModelProto | None) -> bool:
+    """Whether onnx's inference without data propagation (``_plain``) found a 1-D value longer than the budget (or
+    failed). onnx's data propagation holds every 1-D value that reaches an op it propagates through (Add, Concat,
     Gather...) as a TensorShapeProto of one dim per element, about 150 bytes each, whether its data is known or
     not: a [2**28] vector is 40 GB. Such a model is inferred without data propagation."""
-    try:
-        plain = onnx.shape_inference.infer_shapes(proto)
-    except Exception:  # noqa: BLE001 - then data propagation would fail as well
+    if plain is None:
         return True
     for info in itertools.chain(plain.graph.input, plain.graph.value_info, plain.graph.output):
         dims = info.type.tensor_type.shape.dim
@@ -502,7 +511,7 @@ def _infer_body(model: ir.Model, function: ir.Function, inputs: list) -> None:
     probe.ir_version = model.ir_version
     hide_oversized(probe)  # only the values' types are read back, by name: the renamed inputs need no restoring
     # the same guards as the main graph's: a Tile of 2^28 in a body took 3.7 GB through data propagation
-    propagate = not _has_huge_input(probe) and not _long_vector(probe) and not _sizes_out_of_sight(probe)
+    propagate = not _has_huge_input(probe) and not _long_vector(_plain(probe)) and not _sizes_out_of_sight(probe)
     try:
         inferred = onnx.shape_inference.infer_shapes(probe, data_prop=propagate).graph
     except Exception:  # noqa: BLE001 - without types the checks refuse and say why
