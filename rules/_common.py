@@ -170,7 +170,7 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
     keepdims = attr_value(node, "keepdims", 1)
     unsqueeze = m.node(f"{name}_unsqueeze")
     # the unit-dim restores among the views seen above the statistic (Transposes above them: ``check_layouts``)
-    restores = [chain[len([n for n in chain if n.op_type == "Transpose"]):] for chain in m.views(node.outputs[0])]
+    restores = [split_views(chain)[1] for chain in m.views(node.outputs[0])]
     restores = [chain for chain in restores if chain]
     if restores:
         # re-broadcast with the ops around it (``algebra._viewed``): each Reshape only inserts unit dims, so the
@@ -197,13 +197,24 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
     return tuple(axes)
 
 
+def split_views(chain: tuple[ir.Node, ...]) -> tuple[tuple[ir.Node, ...], tuple[ir.Node, ...]]:
+    """(Transposes, unit-dim restores): the restores must be the innermost views (a statistic's dropped axes put back,
+    then the whole moved)."""
+    transposes = tuple(n for n in chain if n.op_type == "Transpose")
+    restores = chain[len(transposes):]
+    if any(n.op_type == "Transpose" for n in restores):
+        raise Refusal("layout", f"Reshape '{node_name(restores[0])}' inserts unit dims above Transpose: a statistic's "
+                      "axes are restored only before it is moved")
+    return transposes, restores
+
+
 def agreed_axes(m: Match, names: Iterable[str]) -> tuple[int, ...]:
     """The axes every reduction of the norm reduces (refused when they disagree). A restore the normal form saw
     (a Reshape inserting unit dims) must sit above one of these statistics: on any other value it changes its rank."""
     names = tuple(names)
     statistics = {m.node(n).outputs[0] for n in names if m.node(n) is not None}
     for _, value, chain in m.viewed():
-        restores = [n for n in chain if n.op_type != "Transpose"]
+        restores = split_views(chain)[1]
         if restores and value not in statistics and not _with_statistic(m, value, statistics):
             raise Refusal("keepdims", f"Reshape '{restores[0].name}' inserts unit dims into '{value.name}', which "
                           "is not a statistic of the norm")

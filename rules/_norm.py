@@ -20,7 +20,7 @@ from lnfuse.match.algebra import transpose_perm, view_axes
 from lnfuse.match.pattern import Either, Match, Mono, Op, Pattern, Terms, Var, maybe_cast, mono
 from lnfuse.match.rule import GraphContext, Refusal, Replacement
 from ._common import (FLOATS, cast_target, channel_param, check_laid_out, dtype_of, is_widening, node_name,
-                      param_as, rank_of, read_outside, readers_outside)
+                      param_as, rank_of, read_outside, readers_outside, split_views)
 
 
 # ---- the math, as monomials ----------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def check_layouts(m: Match, ctx: GraphContext, axes: tuple[int, ...], stats: dic
     """Prove that x is normalized in one layout, and say which. ``axes``: what ``agreed_axes`` proved, in each
     statistic's input; ``stats``: each statistic's name -> the statistic in whose input frame it is read (None: the
     output's frame); ``main``: the statistic the normalized axes are read from."""
-    seen = [(frame, value, _split(chain)) for frame, value, chain in m.viewed()]
+    seen = [(frame, value, split_views(chain)) for frame, value, chain in m.viewed()]
     if not any(transposes for _, _, (transposes, _) in seen):
         return Layout(None, axes, {})
     nodes = {name: m.node(name) for name in stats if m.node(name) is not None}
@@ -481,17 +481,6 @@ def check_layouts(m: Match, ctx: GraphContext, axes: tuple[int, ...], stats: dic
 def _perm(axes: tuple[int, ...]) -> list[int]:
     """An axis map as a Transpose's perm (output axis i is input axis perm[i])."""
     return [list(axes).index(i) for i in range(len(axes))] if sorted(axes) == list(range(len(axes))) else list(axes)
-
-
-def _split(chain: tuple[ir.Node, ...]) -> tuple[tuple[ir.Node, ...], tuple[ir.Node, ...]]:
-    """(Transposes, unit-dim restores): the restores must be the innermost views (a statistic's dropped axes put back,
-    then the whole moved)."""
-    transposes = tuple(n for n in chain if n.op_type == "Transpose")
-    restores = chain[len(transposes):]
-    if any(n.op_type == "Transpose" for n in restores):
-        raise Refusal("layout", f"Reshape '{node_name(restores[0])}' inserts unit dims above Transpose: a statistic's "
-                      "axes are restored only before it is moved")
-    return transposes, restores
 
 
 def _laid_out(ctx: GraphContext, value: ir.Value, axes: list[int], rank: int, what: str) -> ir.Value:
