@@ -94,7 +94,7 @@ class _Pass:
 
 
 def fuse_model(model: ir.Model, options: Options, report: Report,
-               nodes: Iterable[ir.Node] | None = None, shapes: PendingShapes | None = None) -> None:
+               nodes: Mapping[ir.Node, None] | None = None, shapes: PendingShapes | None = None) -> None:
     """Rewrite ``model`` in place and record what happened in ``report``. ``nodes``: every node of the model
     (``nodes_of``), when the caller has them. ``shapes``: the symbolic shape inference the load deferred. Rules
     first match and check on onnx's shapes (exact, where known); the symbolic inference runs, for the values the
