@@ -757,8 +757,8 @@ def retype_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.N
         if untyped:
             _infer_contrib(untyped, opsets, model.ir_version)
         for value, shape in had.items():
-            if value.shape is None:
-                value.shape = shape
+            # as type_new_values writes them: a size no run can have stays unknown
+            value.shape = shape if value.shape is None else _plausible(value.shape)
 
 
 #: no real tensor has this many elements; a larger static shape comes from a declared dim nothing checks
