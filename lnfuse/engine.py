@@ -520,7 +520,7 @@ def deciding(attempts: list[_Attempt]) -> _Attempt:
 
 def _record_candidates(scope: Scope, found: list[statistics.Statistics], passes: list[tuple[Rule, _Pass]],
                        fused_by: Mapping[ir.Node, tuple[str, str]], ran: set[str], report: Report) -> set[ir.Node]:
-    """One report entry per norm-like candidate (``lnfuse.candidates``), and an unfused entry for each one left:
+    """One report entry per norm-like candidate (``lnfuse.match.candidates``), and an unfused entry for each one left:
     the deciding refusal of the rule of its kind (a centred norm is explained by layer_norm, never by the RMS
     formula a centred value also half-matches), or, where that rule's patterns never started on it, what was seen.
     Returns the reductions accounted for, which no other entry repeats."""

@@ -48,7 +48,7 @@ class Unfused:
 
 @dataclass
 class Candidate:
-    """Norm-like statistics found by what they compute (``lnfuse.candidates``), whatever the rules matched: where
+    """Norm-like statistics found by what they compute (``lnfuse.match.candidates``), whatever the rules matched: where
     they are, their kind (``centred``: a LayerNorm's; ``uncentred``: an RMS norm's), what was seen
     (``statistics``), and what became of them: fused (``rule`` wrote ``op_type``), or left, with the ``check`` and
     ``reason`` of the matching entry in ``Report.unfused``."""

@@ -1,6 +1,6 @@
 """The trust boundary's shared checks: a model folder is untrusted input, the command line is trusted.
 
-What a model asks to read is admitted by ``lnfuse.gate`` (the only reader of a model folder). On the way out,
+What a model asks to read is admitted by ``lnfuse.load.gate`` (the only reader of a model folder). On the way out,
 lnfuse never writes through a link out of the output folder and never writes over a file it reads (compared by
 device and inode, not by name).
 """

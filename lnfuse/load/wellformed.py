@@ -151,7 +151,7 @@ def _check_tensor(tensor: onnx.TensorProto, path: str, where: str) -> None:
     if tensor.HasField("segment"):
         raise InputError(f"{said}: a segment of a larger tensor, which ONNX Runtime does not read; re-export it")
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        return  # checked against its file by lnfuse.trust
+        return  # checked against its file by lnfuse.load.trust
     elements = math.prod(tensor.dims)
     if tensor.HasField("raw_data"):
         if tensor.data_type == onnx.TensorProto.STRING:

@@ -9,7 +9,7 @@ Semantics:
 - A pattern with a ``name`` binds the value it matched. Meeting the name again requires the same value, or a
   second node that matches the same pattern with the same bindings (old PyTorch exports compute ``x - mean`` twice).
 - ``Either`` tries alternatives in order; matching is a generator, so every alternative is reachable by backtracking.
-- ``Terms`` matches a value by its normal form (``lnfuse.algebra``): a sum of monomials, each a coefficient and
+- ``Terms`` matches a value by its normal form (``lnfuse.match.algebra``): a sum of monomials, each a coefficient and
   factors with exponents. The pattern lists its monomials; order, association, signs and folded constants of the
   graph's spelling do not matter. Exponents and coefficients the rule wants to check (and explain) are bound as
   facts instead of being required.
