@@ -273,14 +273,20 @@ def _only_transposed(terms: list[Monomial], value: ir.Value) -> bool:
     if len(terms) != 1 or terms[0].coef != 1 or len(terms[0].factors) != 1:
         return False
     (f,) = terms[0].factors
-    if f.exponent != 1 or not f.views:
-        return False
-    top = f.value
-    for node in reversed(f.views):
+    return f.exponent == 1 and transposed_top(f.value, f.views) is value
+
+
+def transposed_top(value: ir.Value, views: tuple[ir.Node, ...]) -> ir.Value | None:
+    """The value the graph names for ``views`` of ``value`` when they are Transposes read straight off it, one from
+    the other (``Transpose(x)``: the matcher may take it as it is); None otherwise."""
+    if not views:
+        return None
+    top = value
+    for node in reversed(views):
         if node.op_type != "Transpose" or node.inputs[0] is not top:
-            return False
+            return None
         top = node.outputs[0]
-    return top is value
+    return top
 
 
 def _expand_node(node: ir.Node, walk: _Walk) -> list[Monomial] | None:

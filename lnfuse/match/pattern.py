@@ -337,14 +337,9 @@ def _layouts(value: ir.Value, views: tuple[ir.Node, ...]) -> Iterator[tuple[ir.V
     """A factor under views, as (value, views) to match: first as the value the graph computes, when the views are
     Transposes read straight off it (``Transpose(x)`` is the value the graph names, as it always was), then as the
     value under the views."""
-    top = value
-    for node in reversed(views):
-        if node.op_type != "Transpose" or node.inputs[0] is not top:
-            break
-        top = node.outputs[0]
-    else:
-        if views:
-            yield top, ()
+    top = algebra.transposed_top(value, views)
+    if top is not None:
+        yield top, ()
     yield value, views
 
 
