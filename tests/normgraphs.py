@@ -305,6 +305,7 @@ class EmbedBlock:
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -368,3 +369,41 @@ def with_float_io(model: onnx.ModelProto) -> onnx.ModelProto:
     del graph.node[:]
     graph.node.extend(nodes)
     return model
+
+
+class LayoutGraph:
+    """A norm written op by op, for layouts: ``g.op("Mul", a, b)`` returns the output name; the input is ``X`` (of
+    ``shape``, or the ``in_shape`` given to ``model``)."""
+
+    def __init__(self, shape: list | None = None):
+        self.shape = shape
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+
+    def op(self, op_type: str, *inputs: str, **attrs) -> str:
+        out = f"{op_type.lower()}_{len(self.nodes)}"
+        self.nodes.append(oh.make_node(op_type, list(inputs), [out], name=f"{op_type}_{len(self.nodes)}", **attrs))
+        return out
+
+    def const(self, value, dtype=np.float32) -> str:
+        name = f"c{len(self.inits)}"
+        self.inits.append(onh.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def t(self, x: str, perm: list[int] | None) -> str:
+        """A Transpose; ``perm=None``: the default (reversing) one."""
+        return self.op("Transpose", x) if perm is None else self.op("Transpose", x, perm=perm)
+
+    def inv_rms(self, squares: str, axes: list[int], eps: float = 1e-5) -> str:
+        """1/sqrt(mean(squares) + eps), the axes kept."""
+        mean = self.op("ReduceMean", squares, self.const(axes, np.int64), keepdims=1)
+        return self.op("Reciprocal", self.op("Sqrt", self.op("Add", mean, self.const(eps))))
+
+    def model(self, y: str, out_shape: list, in_shape: list | None = None) -> onnx.ModelProto:
+        x = oh.make_tensor_value_info("X", TensorProto.FLOAT, in_shape or self.shape)
+        graph = oh.make_graph(self.nodes, "g", [x], [oh.make_tensor_value_info(y, TensorProto.FLOAT, out_shape)],
+                              self.inits)
+        model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+        model.ir_version = 8
+        onnx.checker.check_model(model, full_check=True)
+        return model

@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
-import onnxruntime as ort
 import pytest
+from normgraphs import session
 from onnx import TensorProto
 
 import lnfuse
@@ -64,13 +64,6 @@ def _model(nodes, inputs=None, outputs=None, inits=None, opset: int = 17, ir: in
     return model
 
 
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 4
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def _rows(shape, seed: int = 0) -> list[np.ndarray]:
     """Random rows, small-variance rows and a constant row: the data kinds where a wrong norm shows."""
     rng = np.random.default_rng(seed)
@@ -82,7 +75,7 @@ def _rows(shape, seed: int = 0) -> list[np.ndarray]:
 
 def _same(original: onnx.ModelProto, fused: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]) -> None:
     """Every output of ``fused`` has the shape and (within float32 tolerance) the numbers of ``original``'s."""
-    before, after = _session(original), _session(fused)
+    before, after = session(original), session(fused)
     for feed in feeds:
         for want, got, name in zip(before.run(None, feed), after.run(None, feed), [o.name for o in
                                                                                      original.graph.output]):
@@ -121,7 +114,7 @@ def _inverse_std_read_at_reduced_rank(rms: bool) -> onnx.ModelProto:
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_an_inverse_std_read_before_its_unsqueeze_keeps_its_shape_without_verification(rms):
     model = _inverse_std_read_at_reduced_rank(rms)
-    _session(model)
+    session(model)
     result = lnfuse.fuse(model, target="ort", verify=False)
     _same(model, result.model, [{"x": x} for x in _rows([2, 3, H])])
     assert any("read without the reduced axes" in u.reason for u in result.report.unfused)
@@ -197,7 +190,7 @@ def test_a_model_onnx_runtime_runs_is_accepted(tmp_path: Path, capsys, build):
     model = build()
     feeds = [{"x": x} for x in _rows([2, 3, H])]
     for feed in feeds:
-        _session(model).run(None, feed)  # ORT loads and runs it
+        session(model).run(None, feed)  # ORT loads and runs it
     code, err, out = _cli(model, tmp_path, capsys)
     assert code == 0, err
     _same(model, onnx.load(out), feeds)
@@ -208,7 +201,7 @@ def test_a_model_with_two_nodes_of_one_name_is_refused(tmp_path: Path, capsys):
                              oh.make_node("Neg", ["y1"], ["y"], name="twin")]
     model = _model(nodes)
     with pytest.raises(Exception, match="same node name"):
-        _session(model)
+        session(model)
     code, err, out = _cli(model, tmp_path, capsys)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1

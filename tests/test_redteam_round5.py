@@ -17,56 +17,17 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
-import onnxruntime as ort
 import pytest
+from normgraphs import EmbedBlock, LayoutGraph, session
 from onnx import TensorProto
 
 import lnfuse
 from lnfuse.cli import main
-from normgraphs import EmbedBlock
 
 FLOAT = TensorProto.FLOAT
 RNG = np.random.default_rng(5)
 
 
-class Graph:
-    """``g.op("Mul", a, b)`` returns the output name."""
-
-    def __init__(self):
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-
-    def op(self, op_type: str, *inputs: str, **attrs) -> str:
-        out = f"{op_type.lower()}_{len(self.nodes)}"
-        self.nodes.append(oh.make_node(op_type, list(inputs), [out], name=f"{op_type}_{len(self.nodes)}", **attrs))
-        return out
-
-    def const(self, value, dtype=np.float32) -> str:
-        name = f"c{len(self.inits)}"
-        self.inits.append(onh.from_array(np.asarray(value, dtype=dtype), name))
-        return name
-
-    def t(self, x: str, perm: list[int] | None) -> str:
-        return self.op("Transpose", x) if perm is None else self.op("Transpose", x, perm=perm)
-
-    def inv_rms(self, squares: str, axes: list[int], eps: float = 1e-5) -> str:
-        mean = self.op("ReduceMean", squares, self.const(axes, np.int64), keepdims=1)
-        return self.op("Reciprocal", self.op("Sqrt", self.op("Add", mean, self.const(eps))))
-
-    def model(self, y: str, in_shape: list, out_shape: list) -> onnx.ModelProto:
-        graph = oh.make_graph(self.nodes, "red5", [oh.make_tensor_value_info("X", FLOAT, in_shape)],
-                              [oh.make_tensor_value_info(y, FLOAT, out_shape)], self.inits)
-        model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
-        model.ir_version = 8
-        onnx.checker.check_model(model, full_check=True)
-        return model
-
-
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 4
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def _feeds(shape_of_batch, batches=(1, 3)) -> list[dict[str, np.ndarray]]:
@@ -80,7 +41,7 @@ def _feeds(shape_of_batch, batches=(1, 3)) -> list[dict[str, np.ndarray]]:
 
 
 def _same(original: onnx.ModelProto, fused: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]) -> None:
-    before, after = _session(original), _session(fused)
+    before, after = session(original), session(fused)
     for feed in feeds:
         for want, got in zip(before.run(None, feed), after.run(None, feed)):
             assert got.shape == want.shape, f"shape {got.shape}, the original gives {want.shape}"
@@ -115,7 +76,7 @@ def _mean_read_in_two_layouts() -> onnx.ModelProto:
     broadcast ([B, 1, N] - [B, N, 1] is [B, N, N]) but the variance of element (b, i, j) mixes row j's E[x²] with row
     i's mean: not a norm. ``check_layouts`` records only the transposed read of the shared mean node (a read
     without views is not recorded), so both names 'mean' and 'vmean' are proved laid out like x."""
-    g = Graph()
+    g = LayoutGraph()
     axes = g.const([-1], np.int64)
     m = g.op("ReduceMean", "X", axes, keepdims=1)
     e2 = g.op("ReduceMean", g.op("Mul", "X", "X"), axes, keepdims=1)
@@ -145,7 +106,7 @@ def test_a_transpose_with_its_default_perm_reverses_the_axes():
     """vmap's RMS norm written with Transposes that omit perm (the default reverses the axes): h in [C, B, C] is read
     as [C, B, C] reversed; the norm is over the last axis of the reversed layout, gamma laid out as [C]."""
     c = 4
-    g = Graph()
+    g = LayoutGraph()
     w = g.const(RNG.uniform(0.5, 1.5, (c, 1, 1)))
     numerator = g.t(g.op("Mul", w, "X"), None)
     inv = g.inv_rms(g.t(g.op("Mul", "X", "X"), None), [-1])
@@ -160,7 +121,7 @@ def test_a_two_axis_layer_norm_transposed_after_gamma(gamma_in):
     """LayerNorm of x [B, A, C] over axes 1 and 2, then Transpose [0, 2, 1]: a LayerNorm of T(x) over its two
     trailing axes, gamma [1, A, C] applied before the Transpose (laid out anew as [C, A]) or [C, A] after it."""
     a, c = 3, 5
-    g = Graph()
+    g = LayoutGraph()
     mean = g.op("ReduceMean", "X", g.const([1, 2], np.int64), keepdims=1)
     d = g.op("Sub", "X", mean)
     normalized = g.op("Mul", d, g.inv_rms(g.op("Mul", d, d), [1, 2]))
@@ -168,7 +129,7 @@ def test_a_two_axis_layer_norm_transposed_after_gamma(gamma_in):
         y = g.t(g.op("Mul", normalized, g.const(RNG.uniform(0.5, 1.5, (1, a, c)))), [0, 2, 1])
     else:
         y = g.op("Mul", g.t(normalized, [0, 2, 1]), g.const(RNG.uniform(0.5, 1.5, (c, a))))
-    model = g.model(y, ["B", a, c], ["B", c, a])
+    model = g.model(y, ["B", c, a], ["B", a, c])
     result = lnfuse.fuse(model, verify=False)
     assert _ops(result.model).count("LayerNormalization") == 1, (_ops(result.model), _reasons(result))
     assert "Mul" not in _ops(result.model), "gamma is the fused op's scale"
@@ -179,7 +140,7 @@ def test_a_permutation_that_fixes_the_reduced_axis_keeps_gamma_on_the_axis_it_mo
     """T = [1, 0, 2] leaves the reduced axis where it is and swaps the others; gamma [C, 1, 1] varies along x's axis
     0, which T moves to axis 1 of the output: not the normalized axis, so gamma cannot be the fused op's scale."""
     c = 4
-    g = Graph()
+    g = LayoutGraph()
     w = g.const(RNG.uniform(0.5, 1.5, (c, 1, 1)))
     numerator = g.t(g.op("Mul", w, "X"), [1, 0, 2])
     inv = g.inv_rms(g.t(g.op("Mul", "X", "X"), [1, 0, 2]), [-1])
@@ -195,14 +156,14 @@ def test_a_keepdims0_statistic_restored_on_the_wrong_axis_of_a_transposed_layout
     """vmap's layout with the reduced statistic [B, S] reshaped to [B, 1, S] (S = C, so it broadcasts) instead of
     [B, S, 1]: row (b, s) would be scaled by the statistic of (b, c)."""
     c = 4
-    g = Graph()
+    g = LayoutGraph()
     w = g.const(RNG.uniform(0.5, 1.5, (c, 1, 1)))
     numerator = g.t(g.op("Mul", w, "X"), [1, 2, 0])
     var = g.op("ReduceMean", g.t(g.op("Mul", "X", "X"), [1, 2, 0]), g.const([-1], np.int64), keepdims=0)
     target = g.op("Concat", g.op("Shape", var, start=0, end=1), g.const([1, c], np.int64), axis=0)
     restored = g.op("Reshape", var, target)
     inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", restored, g.const(1e-5))))
-    model = g.model(g.op("Mul", inv, numerator), [c, "B", c], ["B", c, c])
+    model = g.model(g.op("Mul", inv, numerator), ["B", c, c], [c, "B", c])
     result = lnfuse.fuse(model, verify=False)
     assert not [o for o in _ops(result.model) if "Normalization" in o], _ops(result.model)
     assert any(check == "keepdims" for check, _ in _reasons(result)), _reasons(result)
@@ -231,7 +192,7 @@ def test_a_flattened_lookup_with_symbolic_batch_and_sequence_and_range_positions
     assert "EmbedLayerNormalization" in _ops(result.model), (_ops(result.model), _reasons(result))
     rng = np.random.default_rng(0)
     feeds = [{"ids": rng.integers(0, v, size=(b, s)).astype(np.int64)} for b in (1, 3) for s in (1, 5)]
-    before, after = _session(model), _session(result.model)
+    before, after = session(model), session(result.model)
     for feed in feeds:
         np.testing.assert_allclose(after.run(None, feed)[0], before.run(None, feed)[0], atol=1e-4, rtol=1e-3)
 
@@ -257,7 +218,7 @@ def _softmax_model(imports: list[tuple[str, int]]) -> onnx.ModelProto:
 def test_the_default_domain_under_both_names_runs_at_the_version_ort_runs(tmp_path: Path, capsys, imports):
     model = _softmax_model(imports)
     feeds = [{"X": RNG.standard_normal((2, 3, 4)).astype(np.float32)}]
-    _session(model).run(None, feeds[0])
+    session(model).run(None, feeds[0])
     code, err, out = _cli(model, tmp_path, capsys)
     assert code == 0, err
     _same(model, onnx.load(out), feeds)
@@ -282,7 +243,7 @@ def test_the_ai_onnx_domain_inside_a_function_is_refused_as_ort_refuses_it(tmp_p
                                                                              function_imports, node_domain):
     model = _function_model(function_imports, node_domain, [("", 17)])
     with pytest.raises(Exception):
-        _session(model)
+        session(model)
     code, err, out = _cli(model, tmp_path, capsys)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1
@@ -303,7 +264,7 @@ def test_a_node_named_like_an_inlined_function_node_is_refused_as_ort_refuses_it
                           functions=[function])
     model.ir_version = 8
     with pytest.raises(Exception, match="same node name"):
-        _session(model)
+        session(model)
     code, err, out = _cli(model, tmp_path, capsys)
     assert code == 2, err
     assert not out.exists()
@@ -328,7 +289,7 @@ def test_two_initializers_of_one_name_in_a_branch_are_refused_as_ort_refuses_the
     model = _mul_by_k([oh.make_node("If", ["c"], ["Y"], then_branch=then, else_branch=other, name="if")],
                       [onh.from_array(np.array(True), "c")])
     with pytest.raises(Exception, match="not unique"):
-        _session(model)
+        session(model)
     code, err, out = _cli(model, tmp_path, capsys)
     assert code == 2, err
     assert not out.exists()
@@ -340,7 +301,7 @@ def test_a_constant_node_named_like_an_initializer_is_read_as_ort_reads_it(tmp_p
                        oh.make_node("Mul", ["X", "k"], ["Y"], name="mul")],
                       [onh.from_array(np.array([3.0], np.float32), "k")])
     feeds = [{"X": RNG.standard_normal((2, 3, 4)).astype(np.float32)}]
-    np.testing.assert_allclose(_session(model).run(None, feeds[0])[0], feeds[0]["X"] * 9.0, rtol=1e-6)
+    np.testing.assert_allclose(session(model).run(None, feeds[0])[0], feeds[0]["X"] * 9.0, rtol=1e-6)
     code, err, out = _cli(model, tmp_path, capsys)
     assert code == 0, err
     _same(model, onnx.load(out), feeds)

@@ -11,53 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx.helper as oh
-import onnx.numpy_helper as onh
-import pytest
-from onnx import TensorProto
+from normgraphs import LayoutGraph, feeds_for, op_types, run, tolerance
 
 import lnfuse
 from lnfuse.match import algebra
-from normgraphs import feeds_for, op_types, run, tolerance
 
 C, S, EPS = 8, 4, 1e-5
 RNG = np.random.default_rng(7)
 STATISTICS = ("ReduceMean", "ReduceSum", "ReduceSumSquare")
 
 
-class Graph:
-    """``g.op("Mul", a, b)`` returns the output name; the input ``X`` has ``shape``."""
-
-    def __init__(self, shape: list):
-        self.shape = shape
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-
-    def op(self, op_type: str, *inputs: str, **attrs) -> str:
-        out = f"{op_type.lower()}_{len(self.nodes)}"
-        self.nodes.append(oh.make_node(op_type, list(inputs), [out], name=f"{op_type}_{len(self.nodes)}", **attrs))
-        return out
-
-    def const(self, value, dtype=np.float32) -> str:
-        name = f"c{len(self.inits)}"
-        self.inits.append(onh.from_array(np.asarray(value, dtype=dtype), name))
-        return name
-
-    def t(self, x: str, perm: list[int]) -> str:
-        return self.op("Transpose", x, perm=perm)
-
-    def inv_rms(self, squares: str, axes: list[int]) -> str:
-        """1/sqrt(mean(squares) + eps), the axes kept."""
-        mean = self.op("ReduceMean", squares, self.const(axes, np.int64), keepdims=1)
-        return self.op("Reciprocal", self.op("Sqrt", self.op("Add", mean, self.const(EPS))))
-
-    def model(self, y: str, out_shape: list) -> onnx.ModelProto:
-        graph = oh.make_graph(self.nodes, "g", [oh.make_tensor_value_info("X", TensorProto.FLOAT, self.shape)],
-                              [oh.make_tensor_value_info(y, TensorProto.FLOAT, out_shape)], self.inits)
-        model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
-        model.ir_version = 8
-        onnx.checker.check_model(model, full_check=True)
-        return model
 
 
 def _fused(model: onnx.ModelProto, op: str, transposes: int) -> lnfuse.FuseResult:
@@ -86,7 +49,7 @@ def _refused(model: onnx.ModelProto, check: str, words: str) -> None:
 def _vmapped_rms(w_shape: tuple, stat_perm=(1, 2, 0)) -> onnx.ModelProto:
     """jax2tf's Equinox RMSNorm: h in [C, B, S], the weight multiplied before vmap's Transpose to [B, S, C], the
     statistics of the transposed squares."""
-    g = Graph([C, "B", S])
+    g = LayoutGraph([C, "B", S])
     w = g.const(RNG.uniform(0.5, 1.5, w_shape))
     numerator = g.t(g.op("Mul", w, "X"), [1, 2, 0])
     inv = g.inv_rms(g.t(g.op("Mul", "X", "X"), list(stat_perm)), [-1])
@@ -102,7 +65,7 @@ def test_rms_norm_in_vmaps_layout():
 def test_transposes_that_compose_to_the_identity_leave_no_transpose():
     """T(t * rsqrt(mean(t², 1) + eps)) * gamma with t = T(x), T = [0, 2, 1] twice: the norm is over axis 1 of t,
     which is x's last axis, and x is read as it is."""
-    g = Graph(["B", S, C])
+    g = LayoutGraph(["B", S, C])
     t = g.t("X", [0, 2, 1])
     normalized = g.op("Mul", t, g.inv_rms(g.op("Mul", t, t), [1]))
     y = g.op("Mul", g.t(normalized, [0, 2, 1]), g.const(RNG.uniform(0.5, 1.5, C)))
@@ -111,7 +74,7 @@ def test_transposes_that_compose_to_the_identity_leave_no_transpose():
 
 def test_layer_norm_over_a_leading_axis_then_transposed():
     """T(d * rsqrt(mean(d², 0) + eps)) * gamma + beta, d = h - mean(h, 0), h in [C, B, S]: a LayerNorm of T(h)."""
-    g = Graph([C, "B", S])
+    g = LayoutGraph([C, "B", S])
     d = g.op("Sub", "X", g.op("ReduceMean", "X", g.const([0], np.int64), keepdims=1))
     normalized = g.t(g.op("Mul", d, g.inv_rms(g.op("Mul", d, d), [0])), [1, 2, 0])
     y = g.op("Add", g.op("Mul", normalized, g.const(RNG.uniform(0.5, 1.5, C))), g.const(RNG.uniform(-1, 1, C)))
@@ -120,7 +83,7 @@ def test_layer_norm_over_a_leading_axis_then_transposed():
 
 def test_a_transposed_input_is_still_the_value_the_graph_names():
     """LayerNorm of Transpose(h) written on that value: the Transpose stays outside, as before."""
-    g = Graph([C, "B", S])
+    g = LayoutGraph([C, "B", S])
     x = g.t("X", [1, 2, 0])
     d = g.op("Sub", x, g.op("ReduceMean", x, g.const([-1], np.int64), keepdims=1))
     y = g.op("Mul", d, g.inv_rms(g.op("Mul", d, d), [-1]))
@@ -134,7 +97,7 @@ def test_a_transposed_input_is_still_the_value_the_graph_names():
 def test_statistics_of_other_rows_are_refused():
     """x * rsqrt(mean(T(x²), -1) + eps) with T = [0, 2, 1] and S = C: the shapes broadcast, but row (b, s) is scaled
     by the statistic of column s."""
-    g = Graph(["B", C, C])
+    g = LayoutGraph(["B", C, C])
     inv = g.inv_rms(g.t(g.op("Mul", "X", "X"), [0, 2, 1]), [-1])
     _refused(g.model(g.op("Mul", "X", inv), ["B", C, C]), "layout", "not x's rows")
 
@@ -146,7 +109,7 @@ def test_gamma_on_the_wrong_axis_is_refused():
 
 def test_transposes_that_do_not_compose_to_the_identity_are_refused():
     """T1(T2(x)) * rsqrt(mean(x², -1) + eps), T1∘T2 a rotation of three equal axes: x read in two layouts."""
-    g = Graph([C, C, C])
+    g = LayoutGraph([C, C, C])
     numerator = g.t(g.t("X", [0, 2, 1]), [1, 0, 2])
     y = g.op("Mul", numerator, g.inv_rms(g.op("Mul", "X", "X"), [-1]))
     _refused(g.model(y, [C, C, C]), "layout", "not x's rows")
@@ -154,7 +117,7 @@ def test_transposes_that_do_not_compose_to_the_identity_are_refused():
 
 def test_stats_transposed_differently_from_x_are_refused():
     """vmap's layout with the squares permuted by [2, 0, 1] instead of [1, 2, 0] (C = S): another row's RMS."""
-    g = Graph([C, C, C])
+    g = LayoutGraph([C, C, C])
     w = g.const(RNG.uniform(0.5, 1.5, (C, 1, 1)))
     numerator = g.t(g.op("Mul", w, "X"), [1, 2, 0])
     inv = g.inv_rms(g.t(g.op("Mul", "X", "X"), [2, 0, 1]), [-1])
@@ -166,7 +129,7 @@ def test_stats_transposed_differently_from_x_are_refused():
 def test_view_axes_compose_permutations():
     import onnx_ir as ir
 
-    g = Graph([C, "B", S])
+    g = LayoutGraph([C, "B", S])
     y = g.t(g.t("X", [1, 2, 0]), [2, 0, 1])
     model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(g.model(y, [C, "B", S])))
     nodes = list(model.graph)
@@ -179,7 +142,7 @@ def test_a_lower_rank_factor_is_not_read_through_a_transpose():
     result stays a leaf."""
     import onnx_ir as ir
 
-    g = Graph(["B", S, C])
+    g = LayoutGraph(["B", S, C])
     y = g.t(g.op("Mul", "X", g.const(np.ones(C))), [0, 2, 1])
     model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(g.model(y, ["B", C, S])))
     out = list(model.graph)[-1].outputs[0]
