@@ -151,7 +151,9 @@ def _compute(value: ir.Value, done: dict) -> np.ndarray:
         return np.asarray(value.const_value.numpy())
     op = node.op_type
     if op == "Constant":
-        tensor = ir.convenience.get_const_tensor(value)
+        attr = node.attributes.get("value")  # the common spelling, read without onnx_ir's Protocol check
+        tensor = attr.value if attr is not None and attr.type == ir.AttributeType.TENSOR else \
+            ir.convenience.get_const_tensor(value)
         if tensor is None:
             raise ValueError("unsupported Constant")
         return np.asarray(tensor.numpy())

@@ -50,8 +50,13 @@ def _scopes(proto: onnx.ModelProto, where: str) -> Iterator[tuple[object, set[st
 
 # -- IR version: a fact about the installed runtime ---------------------------------------------------------------
 
+#: the IR version every onnxruntime lnfuse supports reads (pyproject: onnxruntime>=1.20 reads IR 10); a model at
+#: most this old is not probed for the installed runtime's limit (a session built to fail, per model)
+_READ_BY_EVERY_RUNTIME = 10
+
+
 def _check_ir_version(proto: onnx.ModelProto, where: str) -> None:
-    limit = runtime_max_ir_version()
+    limit = runtime_max_ir_version() if proto.ir_version > _READ_BY_EVERY_RUNTIME else None
     if limit is not None and proto.ir_version > limit:
         raise InputError(f"{where}: IR version {proto.ir_version} is newer than the installed ONNX Runtime reads "
                          f"(<= {limit}); upgrade onnxruntime or re-export with an older onnx")
