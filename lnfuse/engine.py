@@ -131,10 +131,14 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
                 options.progress((step - 1) / steps, f"{scope.path}: {rule.name}")
             order = order or _Order.of(scope.graph)
             ran.add(rule.name)
-            found = find(rule, ctx, order)
+            # while the symbolic inference waits, a pass stops at its first refusal: it is done again either way
+            found = find(rule, ctx, order, until_refused=seeds is not None)
             recorded = len(report.fused)
-            kept = _verified(found.accepted, model, scope, options, report, found)
-            if seeds is not None and (why := _undecided(rule, found, kept, found_stats)):
+            # undecided before verification: verifying on onnx's shapes would be wasted (verification only adds
+            # refusals, so a pass undecided before it is undecided after it)
+            why = _undecided(rule, found, found.accepted, found_stats) if seeds is not None else ""
+            kept = [] if why else _verified(found.accepted, model, scope, options, report, found)
+            if seeds is not None and (why := why or _undecided(rule, found, kept, found_stats)):
                 del report.fused[recorded:]  # this pass is done again on the new shapes
                 _forget(found.accepted)
                 report.notes.extend(shapes.resolve(model, seeds, why=f"{scope.path}: {why}", aliases=replaced))
@@ -275,9 +279,10 @@ def demand(model: ir.Model, options: Options) -> set[str]:
     return {v.name for node in near for v in [*node.inputs, *node.outputs] if v is not None and v.name}
 
 
-def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:
+def find(rule: Rule, ctx: GraphContext, order: _Order | None = None, until_refused: bool = False) -> _Pass:
     """Greedy, outputs first: the first match found from the last node of a norm is its largest form. ``order``:
-    the graph's (see ``_Order``), when the caller has it."""
+    the graph's (see ``_Order``), when the caller has it. ``until_refused``: stop at the first refusal (the caller
+    only needs to know there was one)."""
     order = order or _Order.of(ctx.graph)
     position = order.position
     found = _Pass(position=position)
@@ -295,6 +300,8 @@ def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:
         if candidate is not None:
             found.accepted.append(candidate)
             consumed.update(candidate.replacement.region)
+        if until_refused and found.any_refused:
+            return found
     for pattern, check, reason in rule.near_misses:
         near_roots = pattern.root_ops()
         for node in near:
