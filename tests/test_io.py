@@ -156,13 +156,13 @@ def test_a_rewrite_of_the_input_while_it_is_read_is_caught(tmp_path: Path, monke
     model = _layer_norm_file(tmp_path / "m.onnx")
     infer = lio.infer_shapes_deferred  # what fuse's load runs (ORT's symbolic inference is left for later)
 
-    def rewritten_meanwhile(proto):
+    def rewritten_meanwhile(proto, **options):
         other = onnx.load(str(model))
         for tensor in other.graph.initializer:
             if tensor.name == "beta":
                 tensor.raw_data = np.full(2048, 7.0, np.float32).tobytes()
         onnx.save(other, model)  # same layout and size, other weights
-        return infer(proto)
+        return infer(proto, **options)
 
     monkeypatch.setattr(lio, "infer_shapes_deferred", rewritten_meanwhile)
     with pytest.raises(lnfuse.InputError, match="changed after lnfuse read it"):

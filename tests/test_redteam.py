@@ -54,6 +54,29 @@ def test_an_input_whose_types_onnx_runtime_refuses_is_refused(tmp_path: Path, ca
     assert list(out.parent.iterdir()) == []
 
 
+@pytest.mark.parametrize("declared", [TensorProto.INT64, TensorProto.FLOAT16])
+def test_a_value_declared_of_another_dtype_than_its_node_computes_is_refused(tmp_path: Path, capsys, declared: int):
+    # value_info says the norm's output is int64 (or float16) where its nodes compute float32: ONNX Runtime refuses to
+    # load it ("Type Error"); the type is checked once, by the same strict inference that gives lnfuse its shapes
+    nodes = _layer_norm_nodes() + [oh.make_node("Neg", ["n"], ["y"])]
+    inits = [onh.from_array(np.array(2.0, np.float32), "two"), onh.from_array(np.array(1e-5, np.float32), "eps")]
+    model = oh.make_model(oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])], inits,
+                                        value_info=[oh.make_tensor_value_info("n", declared, [2, H])]),
+                          opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = _save(model, tmp_path)
+    with pytest.raises(Exception, match="Type Error"):
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = tmp_path / "out" / "fused.onnx"
+    out.parent.mkdir()
+    code = main([str(path), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "types do not line up" in err and "'n'" in err
+    assert list(out.parent.iterdir()) == []
+
+
 @pytest.mark.parametrize("version", [0, -1])
 def test_an_opset_version_below_one_is_refused(tmp_path: Path, capsys, version: int):
     # ONNX Runtime refuses it ("invalid model"); lnfuse wrote it back unchanged, failing the full checker

@@ -56,12 +56,14 @@ def budget_seconds(nodes: int) -> float:
     return BASE_SECONDS + SECONDS_PER_NODE * nodes
 
 
-def infer_shapes_deferred(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None, PendingShapes | None]:
+def infer_shapes_deferred(proto: onnx.ModelProto, check_types: bool = False
+                          ) -> tuple[onnx.ModelProto, str | None, PendingShapes | None]:
     """``shapes.infer_shapes`` without ONNX Runtime's symbolic inference: onnx's own only. Where that leaves a dim
     unknown, the third result holds what the symbolic inference needs to run later; None when onnx's was complete.
-    ``proto`` gives up its value_info, and is kept (without it) by the pending inference."""
+    ``proto`` gives up its value_info, and is kept (without it) by the pending inference. ``check_types``: as for
+    ``shapes.infer_shapes``."""
     claims = _take_claims(proto.graph)
-    inferred, error, complete = _infer_with_claims(proto, claims, None)
+    inferred, error, complete = _infer_with_claims(proto, claims, None, check_types)
     return inferred, error, None if complete else PendingShapes(proto, claims)
 
 

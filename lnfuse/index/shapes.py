@@ -24,24 +24,45 @@ from lnfuse.index.library_budget import hide_oversized, restore
 from lnfuse.index.traversal import every_node, every_proto_node
 
 
-def infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+class TypesDisagree(Exception):
+    """Strict inference (``check_types``) found values whose types do not line up, as ONNX Runtime refuses to load
+    them: a node binding one type parameter to two types, or a declared value_info of another dtype than its node
+    computes. The message is the first such finding."""
+
+
+#: what onnx's strict inference says when types do not line up
+_TYPE_ERRORS = ("TypeInferenceError", "inconsistent type", "unsupported type")
+
+
+def type_error(error: Exception) -> str | None:
+    """The line of an inference error that says types do not line up, if it says so. A node whose input has no type
+    at all only follows from an earlier error (a shape one, say), and is not one."""
+    found = [line for line in str(error).splitlines()
+             if any(words in line for words in _TYPE_ERRORS) and "is null" not in line]
+    return found[0].strip()[:300] if found else None
+
+
+def infer_shapes(proto: onnx.ModelProto, check_types: bool = False) -> tuple[onnx.ModelProto, str | None]:
     """The model with value_info for as many values as can be inferred, and the error if inference failed.
 
     Declared value_info and output shapes are claims, not facts: inference runs without them, from the inputs and
     initializers, and a claim is used only where inference says nothing (see ``_merge_claims``). ``proto`` gives
     up its value_info to this function.
     """
-    inferred, error, _ = _infer_with_claims(proto, _take_claims(proto.graph), _symbolic)
+    inferred, error, _ = _infer_with_claims(proto, _take_claims(proto.graph), _symbolic, check_types)
     return inferred, error
 
 
-def _infer_with_claims(proto: onnx.ModelProto, claims: _Claims, symbolic: _Symbolic | None
-                       ) -> tuple[onnx.ModelProto, str | None, bool]:
-    """Inference (``_infer``) with the claims put back where it said nothing; and whether onnx's was complete."""
+def _infer_with_claims(proto: onnx.ModelProto, claims: _Claims, symbolic: _Symbolic | None,
+                       check_types: bool = False) -> tuple[onnx.ModelProto, str | None, bool]:
+    """Inference (``_infer``) with the claims put back where it said nothing; and whether onnx's was complete.
+    ``check_types``: raise ``TypesDisagree`` where types do not line up (``_plain``, ``_check_claimed_types``)."""
     # the libraries fold constants without a bound: what would pass the budget is hidden from them meanwhile
     hidden = hide_oversized(proto)
     try:
-        inferred, error, complete = _infer(proto, symbolic)
+        inferred, error, complete = _infer(proto, symbolic, check_types)
+        if check_types:
+            _check_claimed_types(inferred.graph, claims)
         if _merge_claims(inferred.graph, claims):
             # a claim filled a gap: infer again, so the values computed from it get shapes too
             again, again_error, again_complete = _infer(inferred, symbolic)
@@ -57,7 +78,8 @@ def _infer_with_claims(proto: onnx.ModelProto, claims: _Claims, symbolic: _Symbo
 _Symbolic = Callable[[onnx.ModelProto], "onnx.ModelProto | None"]
 
 
-def _infer(proto: onnx.ModelProto, symbolic: _Symbolic | None) -> tuple[onnx.ModelProto, str | None, bool]:
+def _infer(proto: onnx.ModelProto, symbolic: _Symbolic | None, check_types: bool = False
+           ) -> tuple[onnx.ModelProto, str | None, bool]:
     """onnx's or ONNX Runtime's inference, whichever completes; and whether onnx's alone was complete.
 
     The residual rule must prove two addends have the same shape, so symbolic dims must stay consistent through
@@ -66,7 +88,7 @@ def _infer(proto: onnx.ModelProto, symbolic: _Symbolic | None) -> tuple[onnx.Mod
     per Resize on a detector's neck) does it instead, when ``symbolic`` is given, and onnx's then fills in what
     the symbolic pass left open.
     """
-    plain = _plain(proto)
+    plain = _plain(proto, check_types)
     if plain is not None and _complete(plain.graph):
         return plain, None, True  # every shape known without data propagation, which could add nothing
     safe = not _has_huge_input(proto) and not _long_vector(plain) and not _sizes_out_of_sight(proto)
@@ -105,6 +127,22 @@ def _take_claims(graph: onnx.GraphProto) -> _Claims:
         output.type.tensor_type.ClearField("shape")
     subgraphs = [_take_claims(sub) for sub in _subgraphs(graph)]
     return declared, outputs, subgraphs
+
+
+def _check_claimed_types(graph: onnx.GraphProto, claims: _Claims) -> None:
+    """``TypesDisagree`` for a declared value_info whose dtype is not the one inferred for its value (ONNX Runtime
+    refuses such a model: the declared type is the one its node must produce). Graph outputs keep their declared
+    dtypes during inference (``_take_claims``), which checks them itself."""
+    declared, _, subgraphs = claims
+    if declared:
+        inferred = {v.name: v.type.tensor_type.elem_type for v in graph.value_info}
+        for name, claim in declared.items():
+            want, got = claim.type.tensor_type.elem_type, inferred.get(name, 0)
+            if want and got and want != got:
+                raise TypesDisagree(f"value '{name}' is declared {onnx.TensorProto.DataType.Name(want)} but its node "
+                                    f"computes {onnx.TensorProto.DataType.Name(got)}")
+    for sub_claims, sub in zip(subgraphs, _subgraphs(graph)):
+        _check_claimed_types(sub, sub_claims)
 
 
 def _merge_claims(graph: onnx.GraphProto, claims: _Claims) -> bool:
@@ -212,8 +250,17 @@ def _has_huge_input(proto: onnx.ModelProto) -> bool:
                for v in proto.graph.input if v.type.tensor_type.shape.dim)
 
 
-def _plain(proto: onnx.ModelProto) -> onnx.ModelProto | None:
-    """onnx's inference without data propagation (which folds nothing), or None where it fails."""
+def _plain(proto: onnx.ModelProto, check_types: bool = False) -> onnx.ModelProto | None:
+    """onnx's inference without data propagation (which folds nothing), or None where it fails. ``check_types``:
+    strictly, raising ``TypesDisagree`` for a type error; another error (a shape that does not fit) is left to the
+    lenient run, as ONNX Runtime reads such a model. When strict inference succeeds, it is the lenient one's result:
+    strictness only decides what is an error."""
+    if check_types:
+        try:
+            return onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+        except Exception as error:  # noqa: BLE001 - onnx raises several types; the message says which error
+            if (detail := type_error(error)) is not None:
+                raise TypesDisagree(detail) from None
     try:
         return onnx.shape_inference.infer_shapes(proto)
     except Exception:  # noqa: BLE001 - then data propagation would fail as well

@@ -28,7 +28,7 @@ from lnfuse.load.weights import FileWeights, InlineWeight, SourceWeights, attach
 from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.load.repair import declare_output_shapes, repair
 from lnfuse.index.demand import PendingShapes, infer_shapes_deferred
-from lnfuse.index.shapes import infer_function_types, infer_shapes
+from lnfuse.index.shapes import TypesDisagree, infer_function_types, infer_shapes, type_error
 from lnfuse.index.traversal import every_node, every_proto_node, subgraphs
 
 
@@ -86,10 +86,13 @@ def _parse(path: Path) -> tuple[onnx.ModelProto, FileWeights | None]:
     return proto, weights if weights.tensors else None
 
 
-def validate(proto: onnx.ModelProto, where: str, gate: Gate) -> tuple[onnx.ModelProto, dict[int, onnx.TensorProto]]:
+def validate(proto: onnx.ModelProto, where: str, gate: Gate
+             ) -> tuple[onnx.ModelProto, dict[int, onnx.TensorProto], bool]:
     """Versions, external files, then onnx's checker on the model's skeleton (the weights' bytes are not what
-    makes a graph valid, and checking them would cost a full copy). Returns the skeleton, and the Constant nodes
-    of ``proto`` holding weights (``_large_constants``), which it holds as inputs."""
+    makes a graph valid, and checking them would cost a full copy). Returns the skeleton, the Constant nodes of
+    ``proto`` holding weights (``_large_constants``), which it holds as inputs, and whether its types were checked
+    here: only for a model with ONNX Runtime's own default-domain ops, which onnx's inference would stop at; the
+    others' are checked by the shape inference that follows (``check_types``), which then runs once, not twice."""
     repair(proto, where)  # what ONNX Runtime repairs itself (node order, domains, -1 dims), or its refusal
     max_opset = onnx.defs.onnx_opset_version()
     for imp in proto.opset_import:
@@ -120,12 +123,9 @@ def validate(proto: onnx.ModelProto, where: str, gate: Gate) -> tuple[onnx.Model
             raise InputError(f"{where}: fails the ONNX checker ({first_line(again)}); fix or re-export the model")\
                 from None
     del checked_bytes
-    _check_types(without_bytes, where)
-    return checked, constants
-
-
-#: what strict inference says when the types of a node do not line up (ONNX Runtime refuses to load such a model)
-_TYPE_ERRORS = ("TypeInferenceError", "inconsistent type", "unsupported type")
+    if ort_only:
+        _check_types(without_bytes, where)
+    return checked, constants, bool(ort_only)
 
 
 def _check_types(checked: bytes, where: str) -> None:
@@ -137,13 +137,13 @@ def _check_types(checked: bytes, where: str) -> None:
     try:
         onnx.onnx_cpp2py_export.shape_inference.infer_shapes(checked, True, True, False)  # check_type, strict_mode
     except Exception as error:  # noqa: BLE001 - onnx also raises ValueError (an undefined elem type): no verdict
-        # a node whose input has no type at all only follows from an earlier error (a shape one, say)
-        found = [line for line in str(error).splitlines()
-                 if any(words in line for words in _TYPE_ERRORS) and "is null" not in line]
-        if found:
-            detail = found[0]
-            raise InputError(f"{where}: its types do not line up ({detail.strip()[:300]}); ONNX Runtime refuses to "
-                             "load it too; fix or re-export the model") from None
+        if (detail := type_error(error)) is not None:
+            raise _types_refused(where, detail) from None
+
+
+def _types_refused(where: str, detail: str) -> InputError:
+    return InputError(f"{where}: its types do not line up ({detail}); ONNX Runtime refuses to load it too; fix or "
+                      "re-export the model")
 
 
 _ORT_DOMAIN = "lnfuse.ort_default_domain"
@@ -290,13 +290,16 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     gate.admit_all(proto, lnfuse_made=lazy.holds if lazy else None)
     wellformed.check(proto, where)
     _densify_sparse(proto, where)
-    skeleton, constants = validate(proto, where, gate)
+    skeleton, constants, types_checked = validate(proto, where, gate)
     declared = _value_info_names(proto.graph, set())
     pending = None
-    if defer_symbolic:
-        inferred, error, pending = infer_shapes_deferred(skeleton)
-    else:
-        inferred, error = infer_shapes(skeleton)
+    try:
+        if defer_symbolic:
+            inferred, error, pending = infer_shapes_deferred(skeleton, check_types=not types_checked)
+        else:
+            inferred, error = infer_shapes(skeleton, check_types=not types_checked)
+    except TypesDisagree as disagree:
+        raise _types_refused(where, str(disagree)) from None
     del skeleton  # each copy of the graph is let go as soon as it is not needed: a big graph's peak is its copies
     # inferred types are set on the IR values directly (_set_types): the value_info is not deserialized
     types = list(inferred.graph.value_info)
