@@ -31,7 +31,8 @@ from typing import Callable, Iterable, Mapping
 import onnx
 import onnx_ir as ir
 
-from lnfuse.index.shapes import _Claims, _infer_with_claims, _symbolic, _take_claims, infer_function_types
+from lnfuse.index.shapes import (OnnxVerdict, _Claims, _infer_with_claims, _symbolic, _take_claims,
+                                 infer_function_types)
 from lnfuse.index.traversal import every_node, proto_bodies
 
 #: a model of at most this many nodes (subgraphs included) is inferred whole, as it always was: ORT's symbolic
@@ -62,9 +63,9 @@ def infer_shapes_deferred(proto: onnx.ModelProto, check_types: bool = False
     unknown, the third result holds what the symbolic inference needs to run later; None when onnx's was complete.
     ``proto`` gives up its value_info, and is kept (without it) by the pending inference. ``check_types``: as for
     ``shapes.infer_shapes``."""
-    claims = _take_claims(proto.graph)
-    inferred, error, complete = _infer_with_claims(proto, claims, None, check_types)
-    return inferred, error, None if complete else PendingShapes(proto, claims)
+    claims, verdict = _take_claims(proto.graph), OnnxVerdict()
+    inferred, error, complete = _infer_with_claims(proto, claims, None, check_types, verdict)
+    return inferred, error, None if complete else PendingShapes(proto, claims, verdict)
 
 
 class _OverBudget(BaseException):
@@ -83,6 +84,8 @@ class PendingShapes:
 
     skeleton: onnx.ModelProto | None
     claims: _Claims
+    #: what onnx's inference of the skeleton found at load (it need not run again on it)
+    verdict: OnnxVerdict
     #: times ORT's symbolic inference was started on this model (what tests and benchmarks can observe)
     symbolic_runs: int = 0
 
@@ -108,15 +111,15 @@ class PendingShapes:
         cone = _cone(skeleton.graph, seeds)
         attempts = []
         if len(cone) == len(skeleton.graph.node) or total <= WHOLE_NODES:
-            attempts.append(("the whole model", skeleton, self.claims, None))
+            attempts.append(("the whole model", skeleton, self.claims, None, self.verdict))
         if len(cone) < len(skeleton.graph.node):
             sub, names = _sub_skeleton(skeleton, cone)
             # the claims of the values it computes; its outputs are its own, and bodies keep theirs
             declared = {name: info for name, info in self.claims[0].items() if name in names}
             attempts.append((f"the candidates' cone ({len(cone)} of {len(skeleton.graph.node)} nodes)", sub,
-                             (declared, [onnx.TypeProto() for _ in sub.graph.output], []), names))
+                             (declared, [onnx.TypeProto() for _ in sub.graph.output], []), names, None))
         notes = []
-        for label, proto, claims, names in attempts:
+        for label, proto, claims, names, verdict in attempts:
             nodes = _count_nodes(proto.graph)
             budget = budget_seconds(nodes)
             resizes = _count_ops(proto.graph, "Resize")
@@ -124,8 +127,8 @@ class PendingShapes:
             if plain:
                 label += f" (its {resizes} Resize ops without sympy.simplify)"
             self.symbolic_runs += 1
-            inferred = _within(budget, lambda check, p=proto, c=claims: _infer_with_claims(
-                p, c, lambda q: _symbolic(q, check, plain))[0])
+            inferred = _within(budget, lambda check, p=proto, c=claims, v=verdict: _infer_with_claims(
+                p, c, lambda q: _symbolic(q, check, plain), verdict=v)[0])
             if inferred is None:
                 notes.append(f"shapes: ONNX Runtime's symbolic inference of {label} stopped at its budget "
                              f"({budget:.2f} CPU-s for {nodes} nodes)")

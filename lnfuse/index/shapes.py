@@ -13,6 +13,7 @@ import itertools
 import logging
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +21,7 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse.index.budget import MAX_ELEMENTS, SIZE_PRODUCING, elements
-from lnfuse.index.library_budget import hide_oversized, restore
+from lnfuse.index.library_budget import Hidden, hide_oversized, restore
 from lnfuse.index.traversal import every_node, every_proto_node
 
 
@@ -53,14 +54,31 @@ def infer_shapes(proto: onnx.ModelProto, check_types: bool = False) -> tuple[onn
     return inferred, error
 
 
+@dataclass
+class OnnxVerdict:
+    """What onnx's own inference found on a skeleton, for when the same skeleton is inferred again with ONNX
+    Runtime's symbolic inference (``demand.PendingShapes``): that its result was incomplete with and without data
+    propagation, so neither needs to run again, whether data propagation is safe on it (``_infer``), and whether
+    the budget hid anything from it (when not, its walk need not run again either)."""
+
+    #: None until onnx's inference of the skeleton was found incomplete
+    safe: bool | None = None
+    hid: bool = True
+
+
 def _infer_with_claims(proto: onnx.ModelProto, claims: _Claims, symbolic: _Symbolic | None,
-                       check_types: bool = False) -> tuple[onnx.ModelProto, str | None, bool]:
+                       check_types: bool = False, verdict: OnnxVerdict | None = None
+                       ) -> tuple[onnx.ModelProto, str | None, bool]:
     """Inference (``_infer``) with the claims put back where it said nothing; and whether onnx's was complete.
-    ``check_types``: raise ``TypesDisagree`` where types do not line up (``_plain``, ``_check_claimed_types``)."""
+    ``check_types``: raise ``TypesDisagree`` where types do not line up (``_plain``, ``_check_claimed_types``).
+    ``verdict``: filled in by a first inference of ``proto``, read by the next."""
+    again = verdict is not None and verdict.safe is not None
     # the libraries fold constants without a bound: what would pass the budget is hidden from them meanwhile
-    hidden = hide_oversized(proto)
+    hidden = hide_oversized(proto) if not again or verdict.hid else Hidden()
+    if verdict is not None and not again:
+        verdict.hid = bool(hidden.renamed)
     try:
-        inferred, error, complete = _infer(proto, symbolic, check_types)
+        inferred, error, complete = _infer(proto, symbolic, check_types, verdict)
         if check_types:
             _check_claimed_types(inferred.graph, claims)
         if _merge_claims(inferred.graph, claims):
@@ -78,27 +96,36 @@ def _infer_with_claims(proto: onnx.ModelProto, claims: _Claims, symbolic: _Symbo
 _Symbolic = Callable[[onnx.ModelProto], "onnx.ModelProto | None"]
 
 
-def _infer(proto: onnx.ModelProto, symbolic: _Symbolic | None, check_types: bool = False
-           ) -> tuple[onnx.ModelProto, str | None, bool]:
+def _infer(proto: onnx.ModelProto, symbolic: _Symbolic | None, check_types: bool = False,
+           verdict: OnnxVerdict | None = None) -> tuple[onnx.ModelProto, str | None, bool]:
     """onnx's or ONNX Runtime's inference, whichever completes; and whether onnx's alone was complete.
 
     The residual rule must prove two addends have the same shape, so symbolic dims must stay consistent through
     Reshape and Shape arithmetic. onnx's inference (C++, milliseconds) often manages; where it leaves a dim
     unknown (an ``unk__`` per value), ONNX Runtime's symbolic shape inference (Python, ~0.1 ms per node, seconds
     per Resize on a detector's neck) does it instead, when ``symbolic`` is given, and onnx's then fills in what
-    the symbolic pass left open.
+    the symbolic pass left open. ``verdict``: where onnx's inference of ``proto`` already ran and was incomplete,
+    it is not run again (else it is filled in).
     """
-    plain = _plain(proto, check_types)
-    if plain is not None and _complete(plain.graph):
-        return plain, None, True  # every shape known without data propagation, which could add nothing
-    safe = not _has_huge_input(proto) and not _long_vector(plain) and not _sizes_out_of_sight(proto)
     quick = None
-    if safe:
-        with contextlib.suppress(Exception):
-            quick = onnx.shape_inference.infer_shapes(proto, data_prop=True)
-            if _complete(quick.graph):
-                return quick, None, True
+    if verdict is not None and verdict.safe is not None:
+        safe = verdict.safe
+    else:
+        plain = _plain(proto, check_types)
+        if plain is not None and _complete(plain.graph):
+            return plain, None, True  # every shape known without data propagation, which could add nothing
+        safe = not _has_huge_input(proto) and not _long_vector(plain) and not _sizes_out_of_sight(proto)
+        if verdict is not None:
+            verdict.safe = safe
+        if safe:
+            with contextlib.suppress(Exception):
+                quick = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+                if _complete(quick.graph):
+                    return quick, None, True
     result = symbolic(proto) if symbolic is not None else None
+    if result is None and quick is None and safe and verdict is not None:
+        with contextlib.suppress(Exception):  # skipped above: what to fall back on
+            quick = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     if result is None and quick is not None:
         return quick, None, False  # what the call below would compute again: the same inference, same options
     try:
