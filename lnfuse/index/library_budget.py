@@ -113,7 +113,11 @@ def _walk(proto: onnx.ModelProto, per_node: int | None = None) -> tuple[_Walk, l
     walk, over = _Walk({v.name: v.type for v in graph.input}, per_node=per_node), []
     for tensor in graph.initializer:
         _source(walk, tensor.name, tensor)
+    known = walk.known
     for index, node in enumerate(graph.node):
+        op = node.op_type
+        if op not in _SOURCES and (op not in SIZED or not any(name in known for name in node.input)):
+            continue  # computed from run-time data alone (most nodes): nothing the libraries fold
         if node.domain in ("", "ai.onnx") and not _visit(walk, node, proto):
             over.append(index)
     return walk, over
@@ -169,6 +173,10 @@ def _constant(node: onnx.NodeProto) -> onnx.TensorProto | None:
             value = onnx.helper.get_attribute_value(attr)
             return onnx.numpy_helper.from_array(np.asarray(value, dtype=_CONSTANT_ATTRS[attr.name]))
     return None
+
+
+#: ops ``_visit`` reads whatever their inputs: they make build-time values from none
+_SOURCES = frozenset({"Constant", "Shape", "Size"})
 
 
 def _visit(walk: _Walk, node: onnx.NodeProto, proto: onnx.ModelProto) -> bool:
