@@ -84,6 +84,8 @@ class Cache:
     static: dict = field(default_factory=dict)
     #: ``expand`` results
     expansions: dict = field(default_factory=dict)
+    #: ``key`` answers, by value and depth
+    keys: dict = field(default_factory=dict)
 
 
 def expand(value: ir.Value, cache: Cache | None = None) -> Expansion:
@@ -91,7 +93,7 @@ def expand(value: ir.Value, cache: Cache | None = None) -> Expansion:
     if cache is not None and value in cache.expansions:
         return cache.expansions[value]
     static = cache.static if cache is not None else None
-    walk = _Walk(_chain(value, static), static)
+    walk = _Walk(_chain(value, static), static, keys=cache.keys if cache is not None else {})
     terms = _expand(value, walk)
     found = Expansion(tuple(terms), tuple(walk.nodes))
     if cache is not None:
@@ -138,9 +140,19 @@ def power_ok(e: Fraction, p: Fraction) -> bool:
     return (e * p).denominator != 1 and not (e.denominator == 1 and e.numerator % 2 == 0)
 
 
-def key(value: ir.Value, depth: int = _KEY_DEPTH) -> tuple:
+def key(value: ir.Value, depth: int = _KEY_DEPTH, memo: dict | None = None) -> tuple:
     """Equal keys: the values are computed by the same pure ops from the same inputs. Only ONNX's own ops are known
-    pure: another domain's op may be random or stateful, so each of its results is a value of its own."""
+    pure: another domain's op may be random or stateful, so each of its results is a value of its own. ``memo``
+    keeps the answers while the graph does not change (``Cache.keys``)."""
+    if memo is None:
+        return _key(value, depth, None)
+    found = memo.get((value, depth))
+    if found is None:
+        found = memo[(value, depth)] = _key(value, depth, memo)
+    return found
+
+
+def _key(value: ir.Value, depth: int, memo: dict | None) -> tuple:
     node = value.producer()
     if node is None or node.op_type == "Constant":
         # exporters write the same axes or exponent as separate initializers: equal numbers are the same value
@@ -152,7 +164,7 @@ def key(value: ir.Value, depth: int = _KEY_DEPTH) -> tuple:
                 for a in node.attributes.values()):
         return ("value", id(value))
     attrs = tuple(sorted((name, repr(a.value)) for name, a in node.attributes.items()))
-    inputs = tuple(None if v is None else key(v, depth - 1) for v in node.inputs)
+    inputs = tuple(None if v is None else key(v, depth - 1, memo) for v in node.inputs)
     return (node.op_type, node.domain, attrs, list(node.outputs).index(value), inputs)
 
 
@@ -249,6 +261,8 @@ class _Walk:
     static: dict | None
     nodes: list[ir.Node] = field(default_factory=list)
     done: dict = field(default_factory=dict)
+    #: ``key`` answers (``Cache.keys``)
+    keys: dict = field(default_factory=dict)
 
 
 def _expand(value: ir.Value, walk: _Walk) -> list[Monomial]:
@@ -317,7 +331,7 @@ def _expand_node(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
             c = _scalar(ins[i], node, walk.static)
             if c is not None:
                 return _scaled(_expand(ins[1 - i], walk), float(c))
-        return _product(_operand(ins[0], walk), _operand(ins[1], walk))
+        return _product(_operand(ins[0], walk), _operand(ins[1], walk), walk.keys)
     if op == "Div":
         c = _scalar(ins[1], node, walk.static)
         if c is not None:
@@ -326,7 +340,7 @@ def _expand_node(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
         numerator = _scalar(ins[0], node, walk.static)
         if numerator is not None:
             return None if inverse is None else _scaled(inverse, float(numerator))
-        return None if inverse is None else _product(_operand(ins[0], walk), inverse)
+        return None if inverse is None else _product(_operand(ins[0], walk), inverse, walk.keys)
     if op in ("Reciprocal", "Sqrt", "Pow"):
         p = Fraction(-1) if op == "Reciprocal" else Fraction(1, 2) if op == "Sqrt" else \
             _scalar(ins[1], node, walk.static)
@@ -346,13 +360,13 @@ def _scaled(terms: Iterable[Monomial], c: float) -> list[Monomial]:
     return [Monomial(t.coef * c, t.factors) for t in terms]
 
 
-def _product(a: list[Monomial], b: list[Monomial]) -> list[Monomial] | None:
+def _product(a: list[Monomial], b: list[Monomial], memo: dict | None = None) -> list[Monomial] | None:
     if len(a) > 1 and len(b) > 1:
         return None
     out = []
     for s in a:
         for t in b:
-            factors = _merge(s.factors + t.factors)
+            factors = _merge(s.factors + t.factors, memo)
             if factors is None:
                 return None
             out.append(Monomial(s.coef * t.coef, factors))
@@ -373,13 +387,13 @@ def _power(terms: list[Monomial], p: Fraction) -> list[Monomial] | None:
     return [Monomial(coef, tuple(Factor(f.value, f.exponent * p, f.twins, f.views) for f in t.factors))]
 
 
-def _merge(factors: tuple[Factor, ...]) -> tuple[Factor, ...] | None:
+def _merge(factors: tuple[Factor, ...], memo: dict | None = None) -> tuple[Factor, ...] | None:
     """Factors of one computation multiplied together: exponents add where that is exact, else the product is not
     expanded (None)."""
     merged: list[Factor] = []
     keys: list[tuple] = []
     for f in factors:
-        k = (key(f.value), _views_key(f.views))
+        k = (key(f.value, memo=memo), _views_key(f.views))
         if k in keys:
             i = keys.index(k)
             old = merged[i]
