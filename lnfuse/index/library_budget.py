@@ -116,8 +116,8 @@ def _walk(proto: onnx.ModelProto, per_node: int | None = None) -> tuple[_Walk, l
     known = walk.known
     for index, node in enumerate(graph.node):
         op = node.op_type
-        if op not in _SOURCES and (op not in SIZED or not any(name in known for name in node.input)):
-            continue  # computed from run-time data alone (most nodes): nothing the libraries fold
+        if op not in _SOURCES and (op not in SIZED or not all(name in known or not name for name in node.input)):
+            continue  # computed from run-time data (most nodes): nothing the libraries fold
         if node.domain in ("", "ai.onnx") and not _visit(walk, node, proto):
             over.append(index)
     return walk, over
