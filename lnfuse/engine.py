@@ -85,12 +85,12 @@ class _Pass:
     refused: dict[ir.Node, list[_Attempt]] = field(default_factory=dict)
     #: graph order of the nodes when the pass began (indexing once keeps a pass linear in the graph's size)
     position: dict[ir.Node, float] = field(default_factory=dict)
-    #: a check refused some match, even one a smaller form then superseded (``refused`` forgets those)
-    any_refused: bool = False
+    #: every refusal of a match, even one a smaller form then superseded (``refused`` forgets those)
+    refusals: list[Refusal] = field(default_factory=list)
 
     def refuse(self, anchor: ir.Node, attempt: _Attempt) -> None:
         self.refused.setdefault(anchor, []).append(attempt)
-        self.any_refused = True
+        self.refusals.append(attempt.refusal)
 
 
 def fuse_model(model: ir.Model, options: Options, report: Report,
@@ -107,6 +107,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             report.notes.extend(shapes.resolve(model, seeds))
             seeds = None
     before = (nodes if nodes is not None else nodes_of(model)) if seeds is not None else {}
+    settled = _settled(model)
     replaced: dict[ir.Value, str] = {}  # fused outputs, and the name of the value each replaced
     names = _all_names(model, nodes)
     opsets_used: dict[str, int] = {}
@@ -131,14 +132,13 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
                 options.progress((step - 1) / steps, f"{scope.path}: {rule.name}")
             order = order or _Order.of(scope.graph)
             ran.add(rule.name)
-            # while the symbolic inference waits, a pass stops at its first refusal: it is done again either way
-            found = find(rule, ctx, order, until_refused=seeds is not None)
+            found = find(rule, ctx, order)
             recorded = len(report.fused)
             # undecided before verification: verifying on onnx's shapes would be wasted (verification only adds
             # refusals, so a pass undecided before it is undecided after it)
-            why = _undecided(rule, found, found.accepted, found_stats) if seeds is not None else ""
+            why = _undecided(rule, found, found.accepted, found_stats, settled) if seeds is not None else ""
             kept = [] if why else _verified(found.accepted, model, scope, options, report, found)
-            if seeds is not None and (why := why or _undecided(rule, found, kept, found_stats)):
+            if seeds is not None and (why := why or _undecided(rule, found, kept, found_stats, settled)):
                 del report.fused[recorded:]  # this pass is done again on the new shapes
                 _forget(found.accepted)
                 report.notes.extend(shapes.resolve(model, seeds, why=f"{scope.path}: {why}", aliases=replaced))
@@ -174,22 +174,34 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
                 function.opset_imports.setdefault(domain, version)
 
 
-def _undecided(rule: Rule, found: _Pass, kept: list[_Candidate], stats: list[statistics.Statistics]) -> str:
+def _undecided(rule: Rule, found: _Pass, kept: list[_Candidate], stats: list[statistics.Statistics],
+               settled: Callable[[ir.Value], bool]) -> str:
     """Why a pass on onnx's shapes may not be what the symbolic inference's would give ('' when it is): a check
-    refused a match (it may have needed a dim onnx left unknown); a fused op reads several run-time tensors (how
-    their shapes relate is what the symbolic inference proves, and a rule may choose a smaller form, without a
-    refusal, where it cannot tell: an embedding's positions as an input rather than 0..S-1); or a norm-like
+    refused a match (it may have needed a dim onnx left unknown), unless it says which values decided it and onnx's
+    inference ``settled`` their types; a fused op reads several run-time tensors (how their shapes relate is what
+    the symbolic inference proves, and a rule may choose a smaller form, without a refusal, where it cannot tell:
+    an embedding's positions as an input rather than 0..S-1; ``Rule.settles_for_less``); or a norm-like
     statistic of the rule's kind was neither fused nor refused (shapes also decide what patterns match: a Reshape
     to its input's own shape, an added zero of the same shape). A fused op that reads one run-time tensor and
     constants needs that tensor's rank and reduced dims, which onnx's shapes gave, or a check would have refused."""
-    if found.any_refused:
+    if any(r.decided_by is None or not all(map(settled, r.decided_by)) for r in found.refusals):
         return f"{rule.name} refused a match"
-    if any(_run_time_inputs(c.replacement) > 1 for c in kept):
+    if rule.settles_for_less and any(_run_time_inputs(c.replacement) > 1 for c in kept):
         return f"{rule.name} fused ops that read several run-time tensors"
     fused = {node for c in kept for node in c.replacement.region}
     left = [s for s in stats if s.rule == rule.name and s.square.graph is not None
             and not fused.issuperset([s.square, *s.means])]
     return f"{rule.name} left {len(left)} norm-like statistic(s) unmatched" if left else ""
+
+
+def _settled(model: ir.Model) -> Callable[[ir.Value], bool]:
+    """Whether onnx's inference settled a value's type: its dtype, and each dim a number or a name the model's
+    inputs declare. ONNX Runtime's symbolic inference keeps those; it may give a number or another name only where
+    onnx left a dim unknown (``unk__``) or took a declared value_info's name for want of its own."""
+    declared = {d.value for v in model.graph.inputs if v.shape is not None for d in v.shape
+                if isinstance(d, ir.SymbolicDim) and d.value is not None}
+    return lambda value: value.type is not None and value.shape is not None and \
+        all(isinstance(d, int) or d.value in declared for d in value.shape)
 
 
 def _forget(candidates: list[_Candidate]) -> None:
@@ -279,10 +291,9 @@ def demand(model: ir.Model, options: Options) -> set[str]:
     return {v.name for node in near for v in [*node.inputs, *node.outputs] if v is not None and v.name}
 
 
-def find(rule: Rule, ctx: GraphContext, order: _Order | None = None, until_refused: bool = False) -> _Pass:
+def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:
     """Greedy, outputs first: the first match found from the last node of a norm is its largest form. ``order``:
-    the graph's (see ``_Order``), when the caller has it. ``until_refused``: stop at the first refusal (the caller
-    only needs to know there was one)."""
+    the graph's (see ``_Order``), when the caller has it."""
     order = order or _Order.of(ctx.graph)
     position = order.position
     found = _Pass(position=position)
@@ -300,8 +311,6 @@ def find(rule: Rule, ctx: GraphContext, order: _Order | None = None, until_refus
         if candidate is not None:
             found.accepted.append(candidate)
             consumed.update(candidate.replacement.region)
-        if until_refused and found.any_refused:
-            return found
     for pattern, check, reason in rule.near_misses:
         near_roots = pattern.root_ops()
         for node in near:

@@ -84,6 +84,8 @@ class SkipNorm(Rule):
     name = "skip_norm"
     anchors = frozenset(_LAYER + _RMS)
     targets = frozenset({"ort"})
+    # addends whose shapes onnx's inference cannot relate are refused (``_input_and_skip``), never fused smaller
+    settles_for_less = False
     # OPT flattens the sum to [B*S, H] (or back) between the residual and the norm: a norm over the last axis
     # commutes with a Reshape that keeps the last axis, so the kernel runs on the sum as it is and the Reshape moves
     # after it. Exporters put no-ops between the sum and the norm (paddle2onnx: Identity, Identity; inference
@@ -192,9 +194,9 @@ def _vector(value: ir.Value, h: int, dtype: ir.DataType, what: str) -> ir.Value:
     """gamma, beta and bias must be 1-D of size H and of the input's dtype."""
     if value.shape is None or list(value.shape) != [h]:
         shape = None if value.shape is None else list(value.shape)
-        raise Refusal(what, f"{what} '{value.name}' has shape {shape}; the kernel needs [{h}]")
+        raise Refusal(what, f"{what} '{value.name}' has shape {shape}; the kernel needs [{h}]", decided_by=[value])
     if dtype_of(value) != dtype:
-        raise Refusal("dtype", f"{what} '{value.name}' is {dtype_of(value)}, the input is {dtype}")
+        raise Refusal("dtype", f"{what} '{value.name}' is {dtype_of(value)}, the input is {dtype}", decided_by=[value])
     return value
 
 

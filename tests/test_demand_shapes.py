@@ -79,6 +79,25 @@ def test_refused_candidate_runs_symbolic_inference_and_the_pass_again():
     assert any("gamma 'head.norm.weight' has shape [1,1,1,8]" in n for n in fused.notes), fused.notes
 
 
+@pytest.mark.parametrize("name, fused", [
+    ("hf_gpt2_dynamo_op18.onnx", {"EmbedLayerNormalization": 1, "SkipLayerNormalization": 4}),
+    ("hf_vitdet_legacy_op17.onnx", {"LayerNormalization": 3, "SkipLayerNormalization": 4}),
+])
+def test_refusals_decided_on_settled_shapes_do_not_run_symbolic_inference(name: str, fused: dict):
+    """The residual rule first tries each residual Add as input + skip + bias, and refuses where the "bias" is
+    [batch, sequence, H] rather than [H]. onnx's inference settled that shape (numbers and the inputs' own dim
+    names): ORT's symbolic inference would refuse the same, so it is not run, and every residual still fuses."""
+    path = REPO / "sample_models" / name
+    report = lnfuse.fuse(str(path)).report
+    (note,) = _shape_notes(report)  # there is a note: onnx's inference left dims unknown
+    assert "symbolic inference was not run (every candidate was decided on onnx's shapes" in note
+    counts: dict = {}
+    for f in report.fused:
+        counts[f.op_type] = counts.get(f.op_type, 0) + 1
+    assert counts == fused
+    assert not report.unfused
+
+
 def test_symbolic_shapes_still_prove_residuals():
     """BERT's residual adds are fused into SkipLayerNormalization when their addends are proved the same shape,
     which takes the symbolic inference's dim names (onnx's alone leaves them unknown)."""

@@ -25,10 +25,15 @@ ABSENT = "lnfuse.absent"
 class Refusal(Exception):
     """A check failed: the match does not compute what the fused op computes, or the target cannot express it."""
 
-    def __init__(self, check: str, detail: str):
+    def __init__(self, check: str, detail: str, decided_by: Iterable[ir.Value] | None = None):
+        """``decided_by``: the values whose dtypes and shapes decided the refusal, where nothing else about the graph
+        could change it (a gamma that is not 1-D, a constant not exact in the op's dtype: ``()``). Where onnx's
+        inference settled those values' types, ONNX Runtime's symbolic inference would give the same refusal, and
+        need not run for it. None: the refusal may depend on any shape."""
         super().__init__(f"{check}: {detail}")
         self.check = check
         self.detail = detail
+        self.decided_by = None if decided_by is None else tuple(decided_by)
 
 
 @dataclass
@@ -112,6 +117,11 @@ class Rule(abc.ABC):
     near_misses: Sequence[tuple[Pattern, str, str]] = ()
     #: when this rule refuses a candidate that a later rule then fuses as something smaller, say why in a note
     reports_fallback: bool = False
+    #: where it cannot tell how the run-time tensors a match reads relate in shape, the rule may choose a smaller
+    #: form without refusing (the embedding rule takes positions as an input rather than 0..S-1); a rule that
+    #: refuses instead (and says which values decided it) is never done again on the symbolic inference's shapes
+    #: for a fusion on onnx's
+    settles_for_less: bool = True
 
     @abc.abstractmethod
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
