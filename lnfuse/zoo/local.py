@@ -9,6 +9,7 @@ and a model starts only when the memory expected of it fits beside the running o
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import signal
 import time
@@ -43,6 +44,9 @@ def serve(conn: Connection, max_memory: int | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
     _die_with_parent()
     cap_memory(max_memory)
+    # what the server imported is there for the worker's life: the cycle collector need not walk it at every full
+    # collection (nor touch its pages, which stay shared with the server)
+    gc.freeze()
     while True:
         try:
             message = conn.recv()
