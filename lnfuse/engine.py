@@ -21,7 +21,7 @@ from lnfuse.match.algebra import Cache
 from lnfuse.index.canonical import canonicalize
 from lnfuse.index.constants import is_static, static_value
 from lnfuse.index.demand import PendingShapes
-from lnfuse.match.pattern import Match
+from lnfuse.match.pattern import Match, noop_in_doubt
 from lnfuse.save.provenance import mark_fused
 from lnfuse.match.quantized_norms import rounding_reason
 from lnfuse.report import Candidate, Fused, Refused, Report, Unfused
@@ -107,7 +107,6 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             report.notes.extend(shapes.resolve(model, seeds))
             seeds = None
     before = (nodes if nodes is not None else nodes_of(model)) if seeds is not None else {}
-    settled = _settled(model)
     replaced: dict[ir.Value, str] = {}  # fused outputs, and the name of the value each replaced
     names = _all_names(model, nodes)
     opsets_used: dict[str, int] = {}
@@ -136,9 +135,9 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             recorded = len(report.fused)
             # undecided before verification: verifying on onnx's shapes would be wasted (verification only adds
             # refusals, so a pass undecided before it is undecided after it)
-            why = _undecided(rule, found, found.accepted, found_stats, settled) if seeds is not None else ""
+            why = _undecided(rule, found, found.accepted, found_stats, order) if seeds is not None else ""
             kept = [] if why else _verified(found.accepted, model, scope, options, report, found)
-            if seeds is not None and (why := why or _undecided(rule, found, kept, found_stats, settled)):
+            if seeds is not None and (why := why or _undecided(rule, found, kept, found_stats, order)):
                 del report.fused[recorded:]  # this pass is done again on the new shapes
                 _forget(found.accepted)
                 report.notes.extend(shapes.resolve(model, seeds, why=f"{scope.path}: {why}", aliases=replaced))
@@ -175,33 +174,30 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
 
 
 def _undecided(rule: Rule, found: _Pass, kept: list[_Candidate], stats: list[statistics.Statistics],
-               settled: Callable[[ir.Value], bool]) -> str:
+               order: _Order) -> str:
     """Why a pass on onnx's shapes may not be what the symbolic inference's would give ('' when it is): a check
-    refused a match (it may have needed a dim onnx left unknown), unless it says which values decided it and onnx's
-    inference ``settled`` their types; a fused op reads several run-time tensors (how their shapes relate is what
-    the symbolic inference proves, and a rule may choose a smaller form, without a refusal, where it cannot tell:
-    an embedding's positions as an input rather than 0..S-1; ``Rule.settles_for_less``); or a norm-like
-    statistic of the rule's kind was neither fused nor refused (shapes also decide what patterns match: a Reshape
-    to its input's own shape, an added zero of the same shape). A fused op that reads one run-time tensor and
-    constants needs that tensor's rank and reduced dims, which onnx's shapes gave, or a check would have refused."""
-    if any(r.decided_by is None or not all(map(settled, r.decided_by)) for r in found.refusals):
+    refused a match (it may have needed a dim onnx left unknown), unless the refusal says it was ``decided``; a
+    fused op reads several run-time tensors (how their shapes relate is what the symbolic inference proves, and a
+    rule may choose a smaller form, without a refusal, where it cannot tell: an embedding's positions as an input
+    rather than 0..S-1; ``Rule.settles_for_less``); a norm-like statistic of the rule's kind was neither fused nor
+    refused (shapes also decide what patterns match: a Reshape to its input's own shape, an added zero of the same
+    shape); or an anchor of the rule was neither, behind a Cast or Reshape that may be a no-op onnx's types could
+    not prove. A fused op that reads one run-time tensor and constants needs that tensor's rank and reduced dims,
+    which onnx's shapes gave, or a check would have refused."""
+    if any(not r.decided for r in found.refusals):
         return f"{rule.name} refused a match"
     if rule.settles_for_less and any(_run_time_inputs(c.replacement) > 1 for c in kept):
         return f"{rule.name} fused ops that read several run-time tensors"
     fused = {node for c in kept for node in c.replacement.region}
     left = [s for s in stats if s.rule == rule.name and s.square.graph is not None
             and not fused.issuperset([s.square, *s.means])]
-    return f"{rule.name} left {len(left)} norm-like statistic(s) unmatched" if left else ""
-
-
-def _settled(model: ir.Model) -> Callable[[ir.Value], bool]:
-    """Whether onnx's inference settled a value's type: its dtype, and each dim a number or a name the model's
-    inputs declare. ONNX Runtime's symbolic inference keeps those; it may give a number or another name only where
-    onnx left a dim unknown (``unk__``) or took a declared value_info's name for want of its own."""
-    declared = {d.value for v in model.graph.inputs if v.shape is not None for d in v.shape
-                if isinstance(d, ir.SymbolicDim) and d.value is not None}
-    return lambda value: value.type is not None and value.shape is not None and \
-        all(isinstance(d, int) or d.value in declared for d in value.shape)
+    if left:
+        return f"{rule.name} left {len(left)} norm-like statistic(s) unmatched"
+    anchors = (node for op in rule.anchors for node in order.of_op.get(op, ()))
+    if any(node not in fused and node not in found.refused and noop_in_doubt(node.inputs[0] if node.inputs else None)
+           for node in anchors):
+        return f"{rule.name} met a Cast or Reshape whose input's type onnx left unknown"
+    return ""
 
 
 def _forget(candidates: list[_Candidate]) -> None:

@@ -424,7 +424,7 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
         if converted is None:
             # the numbers of a constant, and the dtype the op computes in: no shape decides it
             raise Refusal("dtype", f"{what} '{value.name}' ({dtype_of(source)}) is not exactly representable "
-                          f"in {dtype}", decided_by=())
+                          f"in {dtype}", decided=True)
         if source is value and value.producer() is None and list(array.shape) == target and \
                 dtype_of(source) == dtype:
             return value
@@ -477,7 +477,7 @@ def channel_param(ctx: GraphContext, value: ir.Value, x: ir.Value, axis: int, dt
     check_laid_out([channels], what)
     converted = _exact_astype(np.broadcast_to(array.reshape(-1), (channels,)), dtype)
     if converted is None:
-        raise Refusal("dtype", f"{what} '{value.name}' is not exactly representable in {dtype}", decided_by=())
+        raise Refusal("dtype", f"{what} '{value.name}' is not exactly representable in {dtype}", decided=True)
     return ctx.constant(converted, f"{value.name}_channels")
 
 

@@ -84,7 +84,8 @@ class SkipNorm(Rule):
     name = "skip_norm"
     anchors = frozenset(_LAYER + _RMS)
     targets = frozenset({"ort"})
-    # addends whose shapes onnx's inference cannot relate are refused (``_input_and_skip``), never fused smaller
+    # addends whose shapes onnx's inference cannot relate are refused (``_input_and_skip``), never fused smaller;
+    # a no-op it cannot read through for want of a type is an anchor left in doubt (``engine._undecided``)
     settles_for_less = False
     # OPT flattens the sum to [B*S, H] (or back) between the residual and the norm: a norm over the last axis
     # commutes with a Reshape that keeps the last axis, so the kernel runs on the sum as it is and the Reshape moves
@@ -194,9 +195,12 @@ def _vector(value: ir.Value, h: int, dtype: ir.DataType, what: str) -> ir.Value:
     """gamma, beta and bias must be 1-D of size H and of the input's dtype."""
     if value.shape is None or list(value.shape) != [h]:
         shape = None if value.shape is None else list(value.shape)
-        raise Refusal(what, f"{what} '{value.name}' has shape {shape}; the kernel needs [{h}]", decided_by=[value])
+        # a rank other than 1, or one dim that is another number, is what the symbolic inference would find too
+        decided = shape is not None and (len(shape) != 1 or isinstance(shape[0], int))
+        raise Refusal(what, f"{what} '{value.name}' has shape {shape}; the kernel needs [{h}]", decided=decided)
     if dtype_of(value) != dtype:
-        raise Refusal("dtype", f"{what} '{value.name}' is {dtype_of(value)}, the input is {dtype}", decided_by=[value])
+        raise Refusal("dtype", f"{what} '{value.name}' is {dtype_of(value)}, the input is {dtype}",
+                      decided=dtype_of(value) is not None)
     return value
 
 

@@ -446,3 +446,24 @@ def test_a_sparse_data_file_is_copied_whole_with_its_holes(tmp_path: Path, capsy
     _check_same_numbers(tmp_path / "out" / "m.onnx", expected, feeds)
     if kernel_copy:
         assert copied.stat().st_blocks * 512 < 16 << 20, "the 64 MiB hole was written out"
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_a_data_file_that_shrinks_while_copied_is_an_error_not_zeros(tmp_path: Path, monkeypatch, kernel_copy: bool):
+    """The copy is asked for the size the file had when opened; a file cut short since (another writer) is refused,
+    never padded with zeros a model would then read as weights."""
+    from lnfuse.errors import InputError
+    from lnfuse.load.io import _copy_file
+    if not kernel_copy:
+        def refuse(*args):
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    (tmp_path / "w.data").write_bytes(os.urandom(1 << 20))
+    source = os.open(tmp_path / "w.data", os.O_RDONLY)
+    target = os.open(tmp_path / "copy.data", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(InputError, match="got shorter"):
+            _copy_file(source, target, 2 << 20)  # the size it had when opened
+    finally:
+        os.close(source)
+        os.close(target)

@@ -77,6 +77,28 @@ def test_a_value_declared_of_another_dtype_than_its_node_computes_is_refused(tmp
     assert list(out.parent.iterdir()) == []
 
 
+def test_a_value_typed_by_its_declaration_alone_still_has_its_readers_checked(tmp_path: Path, capsys):
+    # a contrib op onnx cannot type, its output declared float by value_info, added to an int64 constant: ORT refuses
+    # ("bound to different types"); the types are checked again once the declaration has typed the value
+    nodes = [oh.make_node("Gelu", ["x"], ["g"], domain="com.microsoft"), oh.make_node("Add", ["g", "k"], ["y"])]
+    model = oh.make_model(oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])],
+                                        [onh.from_array(np.ones((2, H), np.int64), "k")],
+                                        value_info=[oh.make_tensor_value_info("g", TensorProto.FLOAT, [2, H])]),
+                          opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    path = _save(model, tmp_path)
+    with pytest.raises(Exception, match="Type Error|bound to different types"):
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = tmp_path / "out" / "fused.onnx"
+    out.parent.mkdir()
+    code = main([str(path), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "types do not line up" in err
+    assert list(out.parent.iterdir()) == []
+
+
 @pytest.mark.parametrize("version", [0, -1])
 def test_an_opset_version_below_one_is_refused(tmp_path: Path, capsys, version: int):
     # ONNX Runtime refuses it ("invalid model"); lnfuse wrote it back unchanged, failing the full checker

@@ -72,18 +72,19 @@ def _infer_with_claims(proto: onnx.ModelProto, claims: _Claims, symbolic: _Symbo
     """Inference (``_infer``) with the claims put back where it said nothing; and whether onnx's was complete.
     ``check_types``: raise ``TypesDisagree`` where types do not line up (``_plain``, ``_check_claimed_types``).
     ``verdict``: filled in by a first inference of ``proto``, read by the next."""
-    again = verdict is not None and verdict.safe is not None
+    known = verdict is not None and verdict.safe is not None
     # the libraries fold constants without a bound: what would pass the budget is hidden from them meanwhile
-    hidden = hide_oversized(proto) if not again or verdict.hid else Hidden()
-    if verdict is not None and not again:
+    hidden = hide_oversized(proto) if not known or verdict.hid else Hidden()
+    if verdict is not None and not known:
         verdict.hid = bool(hidden.renamed)
     try:
         inferred, error, complete = _infer(proto, symbolic, check_types, verdict)
         if check_types:
             _check_claimed_types(inferred.graph, claims)
         if _merge_claims(inferred.graph, claims):
-            # a claim filled a gap: infer again, so the values computed from it get shapes too
-            again, again_error, again_complete = _infer(inferred, symbolic)
+            # a claim filled a gap: infer again, so the values computed from it get shapes too (and have their
+            # types checked: a value typed by its claim alone may feed a node that binds two types)
+            again, again_error, again_complete = _infer(inferred, symbolic, check_types)
             if again_error is None:
                 inferred, complete = again, again_complete
     finally:

@@ -780,8 +780,8 @@ def _copy_file(source: int, target: int, size: int) -> None:
             offset = start
             while offset < end:
                 copied = os.copy_file_range(source, target, end - offset, offset, offset)
-                if not copied:
-                    raise _shortened()
+                if not copied:  # the end of the file, or a filesystem that copies nothing this way: read it
+                    raise OSError(errno.EINVAL, "copy_file_range copied nothing")
                 offset += copied
     except (AttributeError, OSError):  # no SEEK_DATA or copy_file_range here (or not between these files)
         os.lseek(source, offset, os.SEEK_SET)
@@ -794,6 +794,8 @@ def _copy_file(source: int, target: int, size: int) -> None:
             while view:
                 view = view[os.write(target, view):]
             offset += len(chunk)
+    if os.fstat(source).st_size < size:  # a hole read past a new end is no hole: the file got shorter
+        raise _shortened()
     os.ftruncate(target, size)  # the holes at the end
 
 

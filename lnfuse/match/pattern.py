@@ -449,6 +449,25 @@ class ThroughNoOps(Pattern):
             yield from self.inner.match(value, m)
 
 
+def noop_in_doubt(value: ir.Value | None, depth: int = 8) -> bool:
+    """Whether ``value`` is computed through a Cast or Reshape that ``noop_source`` could not prove a no-op for want
+    of what onnx's inference left unknown (its input's dtype, or a dim of its input's shape), within ``depth`` ops
+    of no-op kinds: the symbolic inference might prove it one, and a pattern read through it."""
+    for _ in range(depth):
+        node = value.producer() if value is not None else None
+        if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in NOOP_OPS or not node.inputs \
+                or node.inputs[0] is None:
+            return False
+        source = node.inputs[0]
+        if noop_source(node) is None and (
+                (node.op_type == "Cast" and source.type is None) or
+                (node.op_type == "Reshape" and (source.shape is None or any(
+                    not isinstance(d, int) and (d.value is None or d.value.startswith("unk__")) for d in source.shape)))):
+            return True
+        value = source
+    return False
+
+
 def through_noops(p: Pattern) -> Pattern:
     """``p``, seen through any no-ops in front of it (paddle2onnx writes ``Add -> Identity -> Identity -> norm``)."""
     return ThroughNoOps(p)

@@ -25,15 +25,15 @@ ABSENT = "lnfuse.absent"
 class Refusal(Exception):
     """A check failed: the match does not compute what the fused op computes, or the target cannot express it."""
 
-    def __init__(self, check: str, detail: str, decided_by: Iterable[ir.Value] | None = None):
-        """``decided_by``: the values whose dtypes and shapes decided the refusal, where nothing else about the graph
-        could change it (a gamma that is not 1-D, a constant not exact in the op's dtype: ``()``). Where onnx's
-        inference settled those values' types, ONNX Runtime's symbolic inference would give the same refusal, and
-        need not run for it. None: the refusal may depend on any shape."""
+    def __init__(self, check: str, detail: str, decided: bool = False):
+        """``decided``: the refusal rests only on facts onnx's inference gives exactly and ONNX Runtime's symbolic
+        inference would not change (a known rank, a dim that is a number, a known dtype, a constant's numbers), so
+        the symbolic inference need not run for it. A dim name is no such fact: the symbolic inference may find it
+        equal to a number."""
         super().__init__(f"{check}: {detail}")
         self.check = check
         self.detail = detail
-        self.decided_by = None if decided_by is None else tuple(decided_by)
+        self.decided = decided
 
 
 @dataclass
