@@ -9,10 +9,11 @@ once it knows where the candidates are, and only if onnx's shapes do not decide 
 
 * no candidates (no node of any rule's anchor ops): it never runs;
 * candidates, all decided on onnx's shapes (each rule's pass fused every norm-like statistic of its kind, no
-  check refused a match, or only on values whose types onnx settled, and each fused op reads one run-time tensor
-  besides constants, or is of a rule that refuses what it cannot prove instead of fusing less): it never runs.
-  A fact onnx leaves unknown is refused by the checks, never assumed, so these fusions hold; and a dim only ORT's inference could name can change a pass only through a refusal or a
-  statistic left unmatched (``engine._undecided``), where it then runs and the pass is done again;
+  check refused a match but on ranks, numbers and dtypes (``Refusal.decided``), and each fused op reads one
+  run-time tensor besides constants, or is of a rule that refuses what it cannot prove instead of fusing less):
+  it never runs. A fact onnx leaves unknown is refused by the checks, never assumed, so these fusions hold; and a
+  dim only ORT's inference could name can change a pass only through a refusal, a statistic left unmatched or a
+  no-op not proved (``engine._undecided``), where it then runs and the pass is done again;
 * candidates: it runs on the whole model if the model is small (``WHOLE_NODES``; the shapes are then exactly what
   they always were), else on the candidates' cone (the nodes near an anchor and every node they are computed from:
   a value's shape depends only on those);

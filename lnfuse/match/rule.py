@@ -118,9 +118,8 @@ class Rule(abc.ABC):
     #: when this rule refuses a candidate that a later rule then fuses as something smaller, say why in a note
     reports_fallback: bool = False
     #: where it cannot tell how the run-time tensors a match reads relate in shape, the rule may choose a smaller
-    #: form without refusing (the embedding rule takes positions as an input rather than 0..S-1); a rule that
-    #: refuses instead (and says which values decided it) is never done again on the symbolic inference's shapes
-    #: for a fusion on onnx's
+    #: form without refusing (the embedding rule takes positions as an input rather than 0..S-1); the fusions of a
+    #: rule that refuses instead stand on onnx's shapes, and do not make the symbolic inference run
     settles_for_less: bool = True
 
     @abc.abstractmethod
