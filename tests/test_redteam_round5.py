@@ -250,10 +250,9 @@ def test_the_ai_onnx_domain_inside_a_function_is_refused_as_ort_refuses_it(tmp_p
     assert not out.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="red team: ORT names the nodes it inlines from a function '_inlfunc_<F>_<name>' "
-                                       "and refuses the model when a graph node already has that name; lnfuse's "
-                                       "duplicate-name check looks at each body alone and accepts it")
 def test_a_node_named_like_an_inlined_function_node_is_refused_as_ort_refuses_it(tmp_path: Path, capsys):
+    # ORT names the first copy of function F's node n '_inlfunc_F_n' when it inlines a call, and refuses a graph
+    # whose own node already has that name
     function = oh.make_function("local", "F", ["X"], ["Y"], [oh.make_node("Relu", ["X"], ["Y"], name="n")],
                                 [oh.make_opsetid("", 17)])
     graph = oh.make_graph([oh.make_node("F", ["X"], ["a"], domain="local", name="call"),
@@ -268,6 +267,29 @@ def test_a_node_named_like_an_inlined_function_node_is_refused_as_ort_refuses_it
     code, err, out = _cli(model, tmp_path, capsys)
     assert code == 2, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("calls, graph_name, function_name", [
+    (2, "_inlfunc_F_n_1", "n"),  # the second call's copy is not named so
+    (1, "_inlfunc_F_", None),  # an unnamed node of the function has no name to clash with
+    (1, "_inlfunc_F_call_n", "n"),  # the call's own name is not in the copy's name
+])
+def test_names_near_an_inlined_function_node_are_accepted_as_ort_accepts_them(tmp_path: Path, capsys, calls: int,
+                                                                              graph_name: str, function_name):
+    function = oh.make_function("local", "F", ["X"], ["Y"], [oh.make_node("Relu", ["X"], ["Y"], name=function_name)],
+                                [oh.make_opsetid("", 17)])
+    nodes = [oh.make_node("F", ["X" if i == 0 else f"a{i - 1}"], [f"a{i}"], domain="local", name=f"call{i or ''}")
+             for i in range(calls)]
+    nodes.append(oh.make_node("Neg", [f"a{calls - 1}"], ["Y"], name=graph_name))
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("X", FLOAT, [2, 3, 4])],
+                          [oh.make_tensor_value_info("Y", FLOAT, [2, 3, 4])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("local", 1)],
+                          functions=[function])
+    model.ir_version = 8
+    session(model)  # ORT loads it
+    code, err, out = _cli(model, tmp_path, capsys)
+    assert code == 0, err
+    assert out.exists()
 
 
 # ---- load repairs: initializers of one name ---------------------------------------------------------------------------

@@ -38,17 +38,29 @@ def check(proto: onnx.ModelProto, where: str) -> None:
 
 
 def _node_names_unique(proto: onnx.ModelProto, where: str) -> None:
-    """ONNX Runtime refuses a graph (or function body) in which two nodes share a name; unnamed nodes are fine."""
+    """ONNX Runtime refuses a graph (or function body) in which two nodes share a name; unnamed nodes are fine. It
+    inlines each call of a model-local function, naming the first copy of the function's node ``n``
+    ``_inlfunc_<function>_<n>``: a node of the calling graph already named so is refused the same way."""
     lists = [proto.graph.node, *(f.node for f in proto.functions)]
     lists += [body.node for body in proto_bodies([n for nodes in lists for n in nodes])]
+    inlined = {(f.domain, f.name): [f"_inlfunc_{f.name}_{n.name}" for n in f.node if n.name] for f in proto.functions}
     for nodes in lists:
         seen: set[str] = set()
+        called: set[tuple[str, str]] = set()
         for node in nodes:
             if node.name in seen:
                 raise InputError(f"{where}: two nodes are named '{node.name}' in one graph; ONNX Runtime refuses "
                                  "that too; give each node its own name (or none) where the model was made")
             if node.name:
                 seen.add(node.name)
+            if inlined and (node.domain, node.op_type) in inlined:
+                called.add((node.domain, node.op_type))
+        for function in called:
+            for name in inlined[function]:
+                if name in seen:
+                    raise InputError(f"{where}: node '{name}' has the name ONNX Runtime gives a node of function "
+                                     f"'{function[1]}' when it inlines the call, and ONNX Runtime refuses the model "
+                                     "for it; rename the node where the model was made")
 
 
 def _all_text_is_utf8(proto: onnx.ModelProto) -> bool:
