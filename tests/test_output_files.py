@@ -429,7 +429,7 @@ def _sparse_data_model(folder: Path, hole: int = 64 << 20) -> Path:
 def test_a_sparse_data_file_is_copied_whole_with_its_holes(tmp_path: Path, capsys, monkeypatch, kernel_copy: bool):
     """The kept data file beside a new output has the input's bytes; a hole stays a hole rather than megabytes of
     zeros written out. Where the kernel cannot copy between the files (an older kernel across filesystems), the
-    bytes go through memory, to the same result."""
+    data goes through memory, and the holes are still skipped."""
     (tmp_path / "in").mkdir()
     (tmp_path / "out").mkdir()
     model = _sparse_data_model(tmp_path / "in")
@@ -444,8 +444,7 @@ def test_a_sparse_data_file_is_copied_whole_with_its_holes(tmp_path: Path, capsy
     copied = tmp_path / "out" / "w.data"
     assert copied.read_bytes() == (tmp_path / "in" / "w.data").read_bytes()
     _check_same_numbers(tmp_path / "out" / "m.onnx", expected, feeds)
-    if kernel_copy:
-        assert copied.stat().st_blocks * 512 < 16 << 20, "the 64 MiB hole was written out"
+    assert copied.stat().st_blocks * 512 < 16 << 20, "the 64 MiB hole was written out"
 
 
 @pytest.mark.parametrize("kernel_copy", [True, False])
@@ -459,11 +458,6 @@ def test_a_data_file_that_shrinks_while_copied_is_an_error_not_zeros(tmp_path: P
             raise OSError(18, "Invalid cross-device link")
         monkeypatch.setattr(os, "copy_file_range", refuse)
     (tmp_path / "w.data").write_bytes(os.urandom(1 << 20))
-    source = os.open(tmp_path / "w.data", os.O_RDONLY)
-    target = os.open(tmp_path / "copy.data", os.O_WRONLY | os.O_CREAT)
-    try:
+    with open(tmp_path / "w.data", "rb") as source, open(tmp_path / "copy.data", "wb", buffering=0) as target:
         with pytest.raises(InputError, match="got shorter"):
             _copy_file(source, target, 2 << 20)  # the size it had when opened
-    finally:
-        os.close(source)
-        os.close(target)

@@ -77,6 +77,41 @@ def test_a_value_declared_of_another_dtype_than_its_node_computes_is_refused(tmp
     assert list(out.parent.iterdir()) == []
 
 
+def _declared(kind: str) -> onnx.ValueInfoProto:
+    if kind == "sequence":
+        return oh.make_value_info("n", oh.make_sequence_type_proto(oh.make_tensor_type_proto(TensorProto.FLOAT, None)))
+    if kind == "optional":
+        return oh.make_value_info("n", oh.make_optional_type_proto(oh.make_tensor_type_proto(TensorProto.FLOAT, None)))
+    info = onnx.ValueInfoProto(name="n")
+    if kind == "sparse":
+        info.type.sparse_tensor_type.elem_type = TensorProto.FLOAT
+    else:  # a tensor of no element type, with a shape
+        info.type.tensor_type.shape.dim.add().dim_value = 2
+    return info
+
+
+@pytest.mark.parametrize("kind", ["sequence", "optional", "sparse", "no element type"])
+def test_a_value_declared_of_another_kind_than_its_node_computes_is_refused(tmp_path: Path, capsys, kind: str):
+    # the norm's output declared a sequence, an optional, a sparse tensor, or a tensor of element type 0: ONNX Runtime
+    # refuses each; only shapes are claims it ignores
+    nodes = _layer_norm_nodes() + [oh.make_node("Neg", ["n"], ["y"])]
+    inits = [onh.from_array(np.array(2.0, np.float32), "two"), onh.from_array(np.array(1e-5, np.float32), "eps")]
+    model = oh.make_model(oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])], inits,
+                                        value_info=[_declared(kind)]), opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = _save(model, tmp_path)
+    with pytest.raises(Exception):
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = tmp_path / "out" / "fused.onnx"
+    out.parent.mkdir()
+    code = main([str(path), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "types do not line up" in err and "'n'" in err
+    assert list(out.parent.iterdir()) == []
+
+
 def test_a_value_typed_by_its_declaration_alone_still_has_its_readers_checked(tmp_path: Path, capsys):
     # a contrib op onnx cannot type, its output declared float by value_info, added to an int64 constant: ORT refuses
     # ("bound to different types"); the types are checked again once the declaration has typed the value

@@ -292,6 +292,62 @@ def test_names_near_an_inlined_function_node_are_accepted_as_ort_accepts_them(tm
     assert out.exists()
 
 
+def _inlining_model(graph_nodes: list, functions: list) -> onnx.ModelProto:
+    graph = oh.make_graph(graph_nodes, "g", [oh.make_tensor_value_info("X", FLOAT, [2, 3, 4])],
+                          [oh.make_tensor_value_info("Y", FLOAT, [2, 3, 4])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("local", 1)],
+                          functions=functions)
+    model.ir_version = 10
+    return model
+
+
+def _function(name: str, nodes: list, overload: str = "") -> onnx.FunctionProto:
+    function = oh.make_function("local", name, ["X"], ["Y"], nodes,
+                                [oh.make_opsetid("", 17), oh.make_opsetid("local", 1)])
+    function.overload = overload
+    return function
+
+
+def _call(name: str, x: str, y: str, node_name: str = "", overload: str = "") -> onnx.NodeProto:
+    node = oh.make_node(name, [x], [y], domain="local", name=node_name)
+    node.overload = overload
+    return node
+
+
+_G = _function("G", [oh.make_node("Relu", ["X"], ["Y"], name="k")])
+_F_CALLS_G = _function("F", [_call("G", "X", "Y", "n")])
+_OVERLOADS = [_function("F", [oh.make_node("Relu", ["X"], ["Y"], name="n")], "o1"),
+              _function("F", [oh.make_node("Abs", ["X"], ["Y"], name="m")], "o2")]
+
+
+@pytest.mark.parametrize("model, ort_loads", [
+    # a function called by the function the graph calls is inlined into the graph too
+    (_inlining_model([_call("F", "X", "a"), oh.make_node("Neg", ["a"], ["Y"], name="_inlfunc_G_k")],
+                     [_F_CALLS_G, _G]), False),
+    # the overload called is the one whose names count
+    (_inlining_model([_call("F", "X", "a", overload="o1"), oh.make_node("Neg", ["a"], ["Y"], name="_inlfunc_F_n")],
+                     _OVERLOADS), False),
+    (_inlining_model([_call("F", "X", "a", overload="o1"), oh.make_node("Neg", ["a"], ["Y"], name="_inlfunc_F_m")],
+                     _OVERLOADS), True),
+    # the call node is replaced by the copy: its own name is free
+    (_inlining_model([_call("F", "X", "a", "_inlfunc_F_n"), oh.make_node("Neg", ["a"], ["Y"])],
+                     [_function("F", [oh.make_node("Relu", ["X"], ["Y"], name="n")])]), True),
+    # a function body's own names do not meet the copies made in the graph
+    (_inlining_model([_call("F", "X", "Y")],
+                     [_function("F", [_call("G", "X", "z", "n"), oh.make_node("Identity", ["z"], ["Y"],
+                                                                               name="_inlfunc_G_k")]), _G]), True),
+], ids=["nested", "overload_called", "overload_not_called", "call_named_so", "in_a_function_body"])
+def test_inlined_names_as_ort_gives_them(tmp_path: Path, capsys, model: onnx.ModelProto, ort_loads: bool):
+    if ort_loads:
+        session(model)
+    else:
+        with pytest.raises(Exception, match="same node name"):
+            session(model)
+    code, err, out = _cli(model, tmp_path, capsys)
+    assert code == (0 if ort_loads else 2), err
+    assert out.exists() == ort_loads
+
+
 # ---- load repairs: initializers of one name ---------------------------------------------------------------------------
 
 def _mul_by_k(nodes: list, inits: list) -> onnx.ModelProto:

@@ -158,19 +158,67 @@ def _take_claims(graph: onnx.GraphProto) -> _Claims:
 
 
 def _check_claimed_types(graph: onnx.GraphProto, claims: _Claims) -> None:
-    """``TypesDisagree`` for a declared value_info whose dtype is not the one inferred for its value (ONNX Runtime
-    refuses such a model: the declared type is the one its node must produce). Graph outputs keep their declared
-    dtypes during inference (``_take_claims``), which checks them itself."""
+    """``TypesDisagree`` for a declared value_info that ONNX Runtime refuses: one whose type is not the kind of value
+    inferred for it (another dtype; a sequence, optional or sparse value for a tensor), or a tensor declared without
+    an element type. Shapes are claims ORT ignores. Graph outputs keep their declared dtypes during inference
+    (``_take_claims``), which checks them itself."""
     declared, _, subgraphs = claims
     if declared:
-        inferred = {v.name: v.type.tensor_type.elem_type for v in graph.value_info}
+        inferred = {v.name: v.type for v in graph.value_info}
         for name, claim in declared.items():
-            want, got = claim.type.tensor_type.elem_type, inferred.get(name, 0)
-            if want and got and want != got:
-                raise TypesDisagree(f"value '{name}' is declared {onnx.TensorProto.DataType.Name(want)} but its node "
-                                    f"computes {onnx.TensorProto.DataType.Name(got)}")
+            if _untyped_tensor(claim.type):
+                raise TypesDisagree(f"value '{name}' is declared a tensor of no element type")
+            got = inferred.get(name)
+            if got is not None and _known_kind(got) and _known_kind(claim.type) and _kind(claim.type) != _kind(got):
+                raise TypesDisagree(f"value '{name}' is declared {_describe(claim.type)} but its node computes "
+                                    f"{_describe(got)}")
     for sub_claims, sub in zip(subgraphs, _subgraphs(graph)):
         _check_claimed_types(sub, sub_claims)
+
+
+def _kind(type_proto: onnx.TypeProto) -> bytes:
+    """The type without its shapes and denotations: what must agree between a declaration and the value."""
+    kind = onnx.TypeProto.FromString(type_proto.SerializeToString())
+    stack = [kind]
+    while stack:
+        t = stack.pop()
+        t.ClearField("denotation")
+        which = t.WhichOneof("value")
+        if which in ("tensor_type", "sparse_tensor_type"):
+            getattr(t, which).ClearField("shape")
+        elif which in ("sequence_type", "optional_type"):
+            stack.append(getattr(t, which).elem_type)
+        elif which == "map_type":
+            stack.append(t.map_type.value_type)
+    return kind.SerializeToString()
+
+
+def _known_kind(type_proto: onnx.TypeProto) -> bool:
+    return type_proto.WhichOneof("value") is not None
+
+
+def _untyped_tensor(type_proto: onnx.TypeProto) -> bool:
+    """A tensor (or sparse tensor) type, at any depth, whose element type is left undefined."""
+    which = type_proto.WhichOneof("value")
+    if which in ("tensor_type", "sparse_tensor_type"):
+        return getattr(type_proto, which).elem_type == 0
+    if which in ("sequence_type", "optional_type"):
+        return _untyped_tensor(getattr(type_proto, which).elem_type)
+    if which == "map_type":
+        return _untyped_tensor(type_proto.map_type.value_type)
+    return False
+
+
+def _describe(type_proto: onnx.TypeProto) -> str:
+    which = type_proto.WhichOneof("value")
+    if which in ("tensor_type", "sparse_tensor_type"):
+        elem = getattr(type_proto, which).elem_type
+        name = onnx.TensorProto.DataType.Name(elem) if elem in onnx.TensorProto.DataType.values() else str(elem)
+        return name if which == "tensor_type" else f"a sparse {name} tensor"
+    if which in ("sequence_type", "optional_type"):
+        container = "a sequence" if which == "sequence_type" else "an optional"
+        return f"{container} of {_describe(getattr(type_proto, which).elem_type)}"
+    return which or "untyped"
 
 
 def _merge_claims(graph: onnx.GraphProto, claims: _Claims) -> bool:

@@ -15,6 +15,7 @@ import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import onnx
@@ -717,7 +718,8 @@ def _copy_range(source, target, offset: int, length: int) -> None:
             source.seek(offset)
             chunk = source.read(min(length, 1 << 24))
             if not chunk:
-                raise InputError(f"{source.name}: the file got shorter after lnfuse read it; run lnfuse again")
+                name = source.name if isinstance(source.name, str) else "an external data file"
+                raise InputError(f"{name}: the file got shorter after lnfuse read it; run lnfuse again")
             _write_all(target, chunk)
             copied = len(chunk)
         offset += copied
@@ -758,50 +760,35 @@ def _copy_through_gate(tensor: ir.ExternalTensor, target: Path) -> None:
     """Copy the whole data file ``tensor`` is read from (kept beside a new output), opened by its gate."""
     if not isinstance(tensor, GatedTensor):
         raise RuntimeError(f"external tensor {tensor.name!r} was not admitted by a gate (a bug in lnfuse)")
-    with tensor.gate.open(str(tensor.location)) as source, open(target, "wb") as out:
-        _copy_file(source.fileno(), out.fileno(), os.fstat(source.fileno()).st_size)
+    with tensor.gate.open(str(tensor.location)) as source, open(target, "wb", buffering=0) as out:
+        _copy_file(source, out, os.fstat(source.fileno()).st_size)
 
 
-def _copy_file(source: int, target: int, size: int) -> None:
-    """The first ``size`` bytes of ``source`` into the empty ``target``, as ``cp`` copies: a hole stays a hole
-    (``SEEK_DATA``: a sparse data file is not written out as gigabytes of zeros) and the data moves inside the
-    kernel (``copy_file_range``: a shared extent where the filesystem can clone one). Where the system has neither,
-    the bytes are copied through memory, 16 MiB at a time."""
+def _copy_file(source: BinaryIO, target: BinaryIO, size: int) -> None:
+    """The first ``size`` bytes of ``source`` into the empty, unbuffered ``target``, as ``cp`` copies: a hole stays a
+    hole (``SEEK_DATA``: a sparse data file is not written out as gigabytes of zeros) and each run of data is copied
+    by ``_copy_range`` (inside the kernel where it can)."""
     offset = 0
-    try:
-        while offset < size:
-            try:
-                start = os.lseek(source, offset, os.SEEK_DATA)
-            except OSError as error:
-                if error.errno != errno.ENXIO:  # ENXIO: no data past offset, the rest is a hole
-                    raise
+    while offset < size:
+        try:
+            start = os.lseek(source.fileno(), offset, os.SEEK_DATA)
+            end = os.lseek(source.fileno(), start, os.SEEK_HOLE)
+        except (AttributeError, OSError) as error:  # no SEEK_DATA here (or not on this filesystem): all is data
+            if isinstance(error, OSError) and error.errno == errno.ENXIO:  # no data past offset: the rest is a hole
                 break
-            end = min(os.lseek(source, start, os.SEEK_HOLE), size)
-            offset = start
-            while offset < end:
-                copied = os.copy_file_range(source, target, end - offset, offset, offset)
-                if not copied:  # the end of the file, or a filesystem that copies nothing this way: read it
-                    raise OSError(errno.EINVAL, "copy_file_range copied nothing")
-                offset += copied
-    except (AttributeError, OSError):  # no SEEK_DATA or copy_file_range here (or not between these files)
-        os.lseek(source, offset, os.SEEK_SET)
-        os.lseek(target, offset, os.SEEK_SET)
-        while offset < size:
-            chunk = os.read(source, min(1 << 24, size - offset))
-            if not chunk:
-                raise _shortened()
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(target, view):]
-            offset += len(chunk)
-    if os.fstat(source).st_size < size:  # a hole read past a new end is no hole: the file got shorter
-        raise _shortened()
-    os.ftruncate(target, size)  # the holes at the end
-
-
-def _shortened() -> InputError:
-    return InputError("an external data file got shorter while lnfuse copied it; run lnfuse again on a folder "
-                      "nothing else is changing")
+            if isinstance(error, OSError) and error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            start, end = offset, size
+        if start >= size:
+            break
+        end = min(max(end, start + 1), size)
+        target.seek(start)
+        _copy_range(source, target, start, end - start)
+        offset = end
+    if os.fstat(source.fileno()).st_size < size:  # a hole read past a new end is no hole: the file got shorter
+        raise InputError("an external data file got shorter while lnfuse copied it; run lnfuse again on a folder "
+                         "nothing else is changing")
+    target.truncate(size)  # the holes at the end
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -38,29 +38,54 @@ def check(proto: onnx.ModelProto, where: str) -> None:
 
 
 def _node_names_unique(proto: onnx.ModelProto, where: str) -> None:
-    """ONNX Runtime refuses a graph (or function body) in which two nodes share a name; unnamed nodes are fine. It
-    inlines each call of a model-local function, naming the first copy of the function's node ``n``
-    ``_inlfunc_<function>_<n>``: a node of the calling graph already named so is refused the same way."""
+    """ONNX Runtime refuses a graph (or function body) in which two nodes share a name; unnamed nodes are fine."""
     lists = [proto.graph.node, *(f.node for f in proto.functions)]
     lists += [body.node for body in proto_bodies([n for nodes in lists for n in nodes])]
-    inlined = {(f.domain, f.name): [f"_inlfunc_{f.name}_{n.name}" for n in f.node if n.name] for f in proto.functions}
     for nodes in lists:
         seen: set[str] = set()
-        called: set[tuple[str, str]] = set()
         for node in nodes:
             if node.name in seen:
                 raise InputError(f"{where}: two nodes are named '{node.name}' in one graph; ONNX Runtime refuses "
                                  "that too; give each node its own name (or none) where the model was made")
             if node.name:
                 seen.add(node.name)
-            if inlined and (node.domain, node.op_type) in inlined:
-                called.add((node.domain, node.op_type))
-        for function in called:
-            for name in inlined[function]:
-                if name in seen:
-                    raise InputError(f"{where}: node '{name}' has the name ONNX Runtime gives a node of function "
-                                     f"'{function[1]}' when it inlines the call, and ONNX Runtime refuses the model "
-                                     "for it; rename the node where the model was made")
+    _no_inlined_name_taken(proto, where)
+
+
+def _no_inlined_name_taken(proto: onnx.ModelProto, where: str) -> None:
+    """ONNX Runtime inlines each call of a model-local function into the graph that makes it (and the calls inside
+    the function, in turn), naming the first copy of function F's node n ``_inlfunc_F_n``, and refuses the graph
+    when one of its own nodes already has that name. The call nodes themselves are replaced, so their names are
+    free."""
+    functions = {_function_id(f): f for f in proto.functions}
+    if not functions:
+        return
+
+    def calls(nodes) -> list[onnx.FunctionProto]:
+        return [functions[_function_id(n)] for n in nodes if _function_id(n) in functions]
+
+    for nodes in [proto.graph.node, *(body.node for body in proto_bodies(proto.graph.node))]:
+        todo, inlined = calls(nodes), set()
+        names: set[str] = set()
+        while todo:
+            function = todo.pop()
+            if _function_id(function) in inlined:
+                continue
+            inlined.add(_function_id(function))
+            names.update(f"_inlfunc_{function.name}_{n.name}" for n in function.node
+                         if n.name and _function_id(n) not in functions)
+            todo.extend(calls(function.node))
+        for node in nodes:
+            if node.name in names and _function_id(node) not in functions:
+                raise InputError(f"{where}: node '{node.name}' has the name ONNX Runtime gives a node of a function "
+                                 "it inlines there, and ONNX Runtime refuses the model for it; rename the node where "
+                                 "the model was made")
+
+
+def _function_id(message) -> tuple[str, str, str]:
+    """A call node's (domain, op, overload), or a function's (domain, name, overload): equal when the node calls it."""
+    name = message.op_type if isinstance(message, onnx.NodeProto) else message.name
+    return message.domain, name, getattr(message, "overload", "")
 
 
 def _all_text_is_utf8(proto: onnx.ModelProto) -> bool:

@@ -459,10 +459,10 @@ def noop_in_doubt(value: ir.Value | None, depth: int = 8) -> bool:
                 or node.inputs[0] is None:
             return False
         source = node.inputs[0]
-        if noop_source(node) is None and (
-                (node.op_type == "Cast" and source.type is None) or
-                (node.op_type == "Reshape" and (source.shape is None or any(
-                    not isinstance(d, int) and (d.value is None or d.value.startswith("unk__")) for d in source.shape)))):
+        unknown_dim = source.shape is None or any(
+            not isinstance(d, int) and (d.value is None or d.value.startswith("unk__")) for d in source.shape)
+        if noop_source(node) is None and ((node.op_type == "Cast" and source.type is None) or
+                                          (node.op_type == "Reshape" and unknown_dim)):
             return True
         value = source
     return False
