@@ -206,6 +206,22 @@ def test_output_declared_without_a_shape_is_read_as_ort_reads_it():
     _assert_same_outputs(model, result.model)
 
 
+def test_output_declared_without_a_type_is_read_as_ort_reads_it():
+    """An output named with no type at all: ORT loads the model and infers it; onnx's checker wants the type.
+    lnfuse declares the type inference finds and fuses."""
+    model = onnx.load(FOLDER / "os_ln_div_bias.onnx")
+    model.graph.output[0].ClearField("type")
+    with pytest.raises(onnx.checker.ValidationError, match="type"):
+        onnx.checker.check_model(model)
+    _session(model)
+    result = lnfuse.fuse(model, target="onnx")
+    assert _counts(result.model)[LN] == 1
+    output = result.model.graph.output[0].type.tensor_type
+    assert output.elem_type == onnx.TensorProto.FLOAT and [d.dim_value for d in output.shape.dim] == [2, 4, 8]
+    onnx.checker.check_model(result.model, full_check=True)
+    _assert_same_outputs(model, result.model)
+
+
 def _script(folder: Path, name: str):
     """A script that makes sample models, as a module (it lives beside its models, not in a package)."""
     sys.path.insert(0, str(folder))

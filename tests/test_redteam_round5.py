@@ -348,6 +348,28 @@ def test_inlined_names_as_ort_gives_them(tmp_path: Path, capsys, model: onnx.Mod
     assert out.exists() == ort_loads
 
 
+def test_a_cast_whose_dtype_is_the_callers_attribute_is_accepted(tmp_path: Path, capsys):
+    """A function's Cast may take ``to`` from the calling node's attribute (``ref_attr_name``): its value is known
+    only at each call, and it is no undefined data type. ONNX Runtime runs the model; so does lnfuse."""
+    to = onnx.AttributeProto(name="to", ref_attr_name="to", type=onnx.AttributeProto.INT)
+    cast = oh.make_node("Cast", ["X"], ["c"])
+    cast.attribute.append(to)
+    function = oh.make_function("local", "C", ["X"], ["Y"], [cast, oh.make_node("Cast", ["c"], ["Y"], to=FLOAT)],
+                                [oh.make_opsetid("", 17)], attributes=["to"])
+    graph = oh.make_graph([oh.make_node("C", ["X"], ["a"], domain="local", to=TensorProto.DOUBLE),
+                           oh.make_node("Neg", ["a"], ["Y"])], "g",
+                          [oh.make_tensor_value_info("X", FLOAT, [2, 3, 4])],
+                          [oh.make_tensor_value_info("Y", FLOAT, [2, 3, 4])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("local", 1)],
+                          functions=[function])
+    model.ir_version = 8
+    session(model)
+    code, err, out = _cli(model, tmp_path, capsys)
+    assert code == 0, err
+    x = RNG.standard_normal((2, 3, 4)).astype(np.float32)
+    np.testing.assert_array_equal(session(onnx.load(out)).run(None, {"X": x})[0], -x)
+
+
 # ---- load repairs: initializers of one name ---------------------------------------------------------------------------
 
 def _mul_by_k(nodes: list, inits: list) -> onnx.ModelProto:

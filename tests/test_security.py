@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 from onnx.external_data_helper import set_external_data
 
@@ -331,8 +332,8 @@ def _malformed(flaw: str) -> bytes:
         gamma.dims[0] = {"negative_dim": -64, "huge_dim": 1 << 40, "zero_dim": 0}[flaw]
     elif flaw == "string_raw_data":
         gamma.data_type = onnx.TensorProto.STRING
-    elif flaw == "declared_shape":
-        graph.value_info.append(onnx.helper.make_tensor_value_info(gamma.name, onnx.TensorProto.FLOAT, [7]))
+    elif flaw == "declared_shape":  # ORT refuses an input whose shape is not its initializer's
+        graph.input.append(onnx.helper.make_tensor_value_info(gamma.name, onnx.TensorProto.FLOAT, [7]))
     elif flaw.startswith("sparse"):
         values = onnx.numpy_helper.from_array(np.ones(2, np.float32), gamma.name)
         index = {"sparse_index": [0, 64], "sparse_count": [0, 1, 2], "sparse_negative": [-1, 3]}[flaw]
@@ -359,3 +360,23 @@ def test_malformed_models_are_refused_with_one_line(tmp_path: Path, capsys, flaw
     code, err = _run(capsys, path, "-o", tmp_path / "out.onnx")
     _refused(code, err, words)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+
+
+@pytest.mark.parametrize("dtype, shape", [(onnx.TensorProto.FLOAT, [7]), (onnx.TensorProto.DOUBLE, [64])])
+def test_a_value_info_that_misstates_an_initializer_is_ignored_as_ort_ignores_it(tmp_path: Path, capsys, dtype, shape):
+    """ONNX Runtime reads an initializer as it is, whatever a value_info of its name says; lnfuse drops such a
+    value_info at load, fuses, and the output computes what the input computes."""
+    model = build(Spec(hidden=64))
+    gamma = next(t for t in model.graph.initializer if t.name.startswith("gamma"))
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info(gamma.name, dtype, shape))
+    path, out = tmp_path / "model.onnx", tmp_path / "out.onnx"
+    onnx.save(model, path)
+    feeds = {i.name: np.random.default_rng(0).standard_normal(
+        [d.dim_value or 2 for d in i.type.tensor_type.shape.dim]).astype(np.float32) for i in model.graph.input}
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    code, err = _run(capsys, path, "-o", out, "--target", "onnx")
+    assert code == 0, err
+    onnx.checker.check_model(str(out), full_check=True)
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-3)

@@ -32,6 +32,7 @@ def repair(proto: onnx.ModelProto, where: str) -> None:
     _declare_missing_domains(proto, graphs)
     _unknown_negative_dims(graphs)
     _last_initializer_of_each_name(proto.graph)
+    _no_declarations_of_initializers(proto.graph)
     _initializers_need_not_be_inputs(proto)
 
 
@@ -277,6 +278,17 @@ def _last_initializer_of_each_name(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
+def _no_declarations_of_initializers(graph: onnx.GraphProto) -> None:
+    """A value_info naming an initializer of the main graph: ORT ignores it and reads the initializer as it is,
+    whatever dtype or shape the value_info says; so does lnfuse, which drops it (shape inference and the rules would
+    otherwise read a shape the tensor does not have)."""
+    held = {t.name for t in graph.initializer}
+    kept = [v for v in graph.value_info if v.name not in held]
+    if len(kept) != len(graph.value_info):
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
+
+
 def _initializers_need_not_be_inputs(proto: onnx.ModelProto) -> None:
     """Before IR version 4 every initializer had to be a graph input too; ORT reads one that is not as a constant,
     which is what IR version 4 says it is."""
@@ -289,18 +301,24 @@ def _initializers_need_not_be_inputs(proto: onnx.ModelProto) -> None:
 # -- graph outputs without a shape --------------------------------------------------------------------------------
 
 def declare_output_shapes(proto: onnx.ModelProto, skeleton: onnx.ModelProto) -> None:
-    """A main-graph output typed without a shape (``make_tensor_value_info(name, type, None)``) is an output of
-    unknown rank to ORT; onnx's checker wants the shape field. Declare what shape inference finds for it (on the
-    weightless ``skeleton``), in both protos. An output whose rank inference cannot find stays as it is (and the
-    checker names it)."""
+    """A main-graph output typed without a shape (``make_tensor_value_info(name, type, None)``), or not typed at all,
+    is an output of unknown rank (and type) to ORT; onnx's checker wants the fields. Declare what shape inference
+    finds for it (on the weightless ``skeleton``), in both protos. An output whose type or rank inference cannot
+    find stays as it is (and the checker names it)."""
+    untyped = [i for i, out in enumerate(proto.graph.output) if out.type.WhichOneof("value") is None]
     missing = [i for i, out in enumerate(proto.graph.output)
                if out.type.HasField("tensor_type") and not out.type.tensor_type.HasField("shape")]
-    if not missing:
+    if not missing and not untyped:
         return
     try:
         inferred = onnx.shape_inference.infer_shapes(skeleton)
     except Exception:  # noqa: BLE001 - onnx raises several types; without inference the checker speaks
         return
+    for i in untyped:
+        found = inferred.graph.output[i].type
+        if found.HasField("tensor_type") and found.tensor_type.elem_type and found.tensor_type.HasField("shape"):
+            for target in (proto.graph.output[i], skeleton.graph.output[i]):
+                target.type.CopyFrom(found)
     for i in missing:
         found = inferred.graph.output[i].type.tensor_type
         if found.HasField("shape"):

@@ -116,11 +116,12 @@ def _all_text_is_utf8(proto: onnx.ModelProto) -> bool:
 
 
 def _claims_match_initializers(graph: onnx.GraphProto, where: str) -> None:
-    """A graph input or value_info naming an initializer declares the shape the initializer holds (ONNX Runtime
-    checks an input against its initializer; rules read the declared shape and must not meet another one)."""
+    """A graph input naming an initializer declares the shape the initializer holds (ONNX Runtime checks an input
+    against its initializer; rules read the declared shape and must not meet another one). A value_info naming one
+    ORT ignores, and so does lnfuse (``repair``)."""
     held = {t.name: list(t.dims) for t in graph.initializer}
     held.update({s.values.name: list(s.dims) for s in graph.sparse_initializer})
-    for info in list(graph.input) + list(graph.value_info):
+    for info in graph.input:
         dims = held.get(info.name)
         tensor_type = info.type.tensor_type
         if dims is None or not info.type.HasField("tensor_type") or not tensor_type.HasField("shape"):
@@ -140,7 +141,8 @@ def _walk(message, path: str, where: str, text_checked: bool) -> None:
         return
     if isinstance(message, onnx.NodeProto) and message.domain in ("", "ai.onnx"):
         for attr in message.attribute:
-            if attr.name in _DTYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT:
+            # an attribute that refers to the calling node's (``ref_attr_name``) has its value only at each call
+            if attr.name in _DTYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT and not attr.ref_attr_name:
                 _data_type(attr.i, f"{path} ({message.op_type}) attribute {attr.name!r}", where, allow_undefined=False)
     skip_plain_nodes = text_checked and isinstance(message, (onnx.GraphProto, onnx.FunctionProto))
     for field, value in message.ListFields():
