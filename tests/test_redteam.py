@@ -112,6 +112,42 @@ def test_a_value_declared_of_another_kind_than_its_node_computes_is_refused(tmp_
     assert list(out.parent.iterdir()) == []
 
 
+@pytest.mark.parametrize("declared, ort_loads", [
+    (([1], TensorProto.FLOAT), False),  # another rank
+    (([2, 5], TensorProto.FLOAT), False),  # another number along a dim
+    (([2, H], TensorProto.DOUBLE), False),  # another dtype
+    ((["a", "b"], TensorProto.FLOAT), True),  # names: ORT merges them
+    (([2, H], TensorProto.FLOAT), True),
+])
+def test_a_body_declaring_an_enclosing_graphs_value_is_read_as_ort_reads_it(tmp_path: Path, capsys, declared,
+                                                                            ort_loads: bool):
+    shape, dtype = declared
+    then = oh.make_graph([oh.make_node("Add", ["x", "x"], ["t"])], "then", [],
+                         [oh.make_tensor_value_info("t", TensorProto.FLOAT, None)],
+                         value_info=[oh.make_tensor_value_info("x", dtype, shape)])
+    other = oh.make_graph([oh.make_node("Mul", ["x", "x"], ["e"])], "else", [],
+                          [oh.make_tensor_value_info("e", TensorProto.FLOAT, None)])
+    nodes = [oh.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)]
+    model = oh.make_model(oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H]),
+                                                     oh.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])]),
+                          opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = _save(model, tmp_path)
+    if ort_loads:
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    else:
+        with pytest.raises(Exception, match="Graph attribute inferencing failed"):
+            ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = tmp_path / "out" / "fused.onnx"
+    out.parent.mkdir()
+    code = main([str(path), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == (0 if ort_loads else 2), err
+    if not ort_loads:
+        assert len(err.strip().splitlines()) == 1 and "enclosing graph" in err
+
+
 def test_a_value_typed_by_its_declaration_alone_still_has_its_readers_checked(tmp_path: Path, capsys):
     # a contrib op onnx cannot type, its output declared float by value_info, added to an int64 constant: ORT refuses
     # ("bound to different types"); the types are checked again once the declaration has typed the value

@@ -157,23 +157,53 @@ def _take_claims(graph: onnx.GraphProto) -> _Claims:
     return declared, outputs, subgraphs
 
 
-def _check_claimed_types(graph: onnx.GraphProto, claims: _Claims) -> None:
+def _check_claimed_types(graph: onnx.GraphProto, claims: _Claims,
+                         outer: dict[str, onnx.TypeProto] | None = None) -> None:
     """``TypesDisagree`` for a declared value_info that ONNX Runtime refuses: one whose type is not the kind of value
-    inferred for it (another dtype; a sequence, optional or sparse value for a tensor), or a tensor declared without
-    an element type. Shapes are claims ORT ignores. Graph outputs keep their declared dtypes during inference
-    (``_take_claims``), which checks them itself."""
+    inferred for it (another dtype; a sequence, optional or sparse value for a tensor), a tensor declared without an
+    element type, or, in a body, a value of an enclosing graph (``outer``: their types) declared with another dtype,
+    rank or number of elements along a dim. Otherwise shapes are claims ORT ignores. Graph outputs keep their
+    declared dtypes during inference (``_take_claims``), which checks them itself."""
     declared, _, subgraphs = claims
-    if declared:
-        inferred = {v.name: v.type for v in graph.value_info}
-        for name, claim in declared.items():
-            if _untyped_tensor(claim.type):
-                raise TypesDisagree(f"value '{name}' is declared a tensor of no element type")
-            got = inferred.get(name)
-            if got is not None and _known_kind(got) and _known_kind(claim.type) and _kind(claim.type) != _kind(got):
-                raise TypesDisagree(f"value '{name}' is declared {_describe(claim.type)} but its node computes "
-                                    f"{_describe(got)}")
-    for sub_claims, sub in zip(subgraphs, _subgraphs(graph)):
-        _check_claimed_types(sub, sub_claims)
+    inferred = {v.name: v.type for v in graph.value_info}
+    for name, claim in declared.items():
+        if _untyped_tensor(claim.type):
+            raise TypesDisagree(f"value '{name}' is declared a tensor of no element type")
+        got = inferred.get(name)
+        if got is not None and _known_kind(got) and _known_kind(claim.type) and _kind(claim.type) != _kind(got):
+            raise TypesDisagree(f"value '{name}' is declared {_describe(claim.type)} but its node computes "
+                                f"{_describe(got)}")
+        if got is None and outer and name in outer and not _agrees(claim.type, outer[name]):
+            raise TypesDisagree(f"value '{name}' of an enclosing graph is declared {_describe(claim.type)} "
+                                f"{_dims(claim.type)} in a body, where it is {_describe(outer[name])} "
+                                f"{_dims(outer[name])}")
+    if subgraphs:
+        visible = {**(outer or {}), **{v.name: v.type for v in graph.input}, **inferred}
+        for sub_claims, sub in zip(subgraphs, _subgraphs(graph)):
+            _check_claimed_types(sub, sub_claims, visible)
+
+
+def _agrees(claim: onnx.TypeProto, actual: onnx.TypeProto) -> bool:
+    """Whether a body's declaration of an enclosing graph's value fits the value: ONNX Runtime merges the two while
+    it infers the body, and refuses another dtype, another rank, or two numbers for one dim."""
+    if not (claim.HasField("tensor_type") and actual.HasField("tensor_type")):
+        return not _known_kind(claim) or not _known_kind(actual) or _kind(claim) == _kind(actual)
+    want, have = claim.tensor_type, actual.tensor_type
+    if want.elem_type and have.elem_type and want.elem_type != have.elem_type:
+        return False
+    if not want.HasField("shape") or not have.HasField("shape"):
+        return True
+    return len(want.shape.dim) == len(have.shape.dim) and all(
+        not (a.HasField("dim_value") and b.HasField("dim_value")) or a.dim_value == b.dim_value
+        for a, b in zip(want.shape.dim, have.shape.dim))
+
+
+def _dims(type_proto: onnx.TypeProto) -> str:
+    tensor = type_proto.tensor_type
+    if not type_proto.HasField("tensor_type") or not tensor.HasField("shape"):
+        return ""
+    return "[" + ", ".join(str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
+                           for d in tensor.shape.dim) + "]"
 
 
 def _kind(type_proto: onnx.TypeProto) -> bytes:
