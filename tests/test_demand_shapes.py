@@ -83,10 +83,10 @@ def test_refused_candidate_runs_symbolic_inference_and_the_pass_again():
     ("hf_gpt2_dynamo_op18.onnx", {"EmbedLayerNormalization": 1, "SkipLayerNormalization": 4}),
     ("hf_vitdet_legacy_op17.onnx", {"LayerNormalization": 3, "SkipLayerNormalization": 4}),
 ])
-def test_refusals_decided_on_settled_shapes_do_not_run_symbolic_inference(name: str, fused: dict):
-    """The residual rule first tries each residual Add as input + skip + bias, and refuses where the "bias" is
-    [batch, sequence, H] rather than [H]. onnx's inference settled that shape (numbers and the inputs' own dim
-    names): ORT's symbolic inference would refuse the same, so it is not run, and every residual still fuses."""
+def test_refusals_decided_on_ranks_do_not_run_symbolic_inference(name: str, fused: dict):
+    """The residual rule first tries each residual Add as input + skip + bias, and refuses where the "bias" has
+    rank 3 rather than [H]. A rank onnx's inference knows is one ORT's symbolic inference would find too, so the
+    refusal is decided, the symbolic inference is not run, and every residual still fuses."""
     path = REPO / "sample_models" / name
     report = lnfuse.fuse(str(path)).report
     (note,) = _shape_notes(report)  # there is a note: onnx's inference left dims unknown
@@ -108,7 +108,7 @@ def _pending(nodes, inputs, outputs, inits=(), domains=()) -> onnx.ModelProto:
     return model
 
 
-def test_a_dim_name_is_no_settled_fact():
+def test_a_dim_name_decides_no_refusal():
     """gamma and beta are [hidden], a name a graph input declares; the residual rule refuses them ("needs [64]") on
     onnx's shapes. ORT's symbolic inference finds hidden = 64 (x [.., hidden] is multiplied by a [64, 64] weight),
     so the refusal is not taken as decided: it runs, and the residual fuses."""
