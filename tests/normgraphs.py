@@ -371,12 +371,11 @@ def with_float_io(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-class LayoutGraph:
-    """A norm written op by op, for layouts: ``g.op("Mul", a, b)`` returns the output name; the input is ``X`` (of
-    ``shape``, or the ``in_shape`` given to ``model``)."""
+class OpGraph:
+    """A graph written op by op: ``g.op("Mul", a, b)`` returns the output name, ``g.tensor(array)`` an
+    initializer's."""
 
-    def __init__(self, shape: list | None = None):
-        self.shape = shape
+    def __init__(self):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
 
@@ -385,10 +384,22 @@ class LayoutGraph:
         self.nodes.append(oh.make_node(op_type, list(inputs), [out], name=f"{op_type}_{len(self.nodes)}", **attrs))
         return out
 
-    def const(self, value, dtype=np.float32) -> str:
-        name = f"c{len(self.inits)}"
-        self.inits.append(onh.from_array(np.asarray(value, dtype=dtype), name))
+    def tensor(self, array: np.ndarray, name: str | None = None) -> str:
+        name = name or f"c{len(self.inits)}"
+        self.inits.append(onh.from_array(array, name))
         return name
+
+
+class LayoutGraph(OpGraph):
+    """A norm written op by op, for layouts; the input is ``X`` (of ``shape``, or the ``in_shape`` given to
+    ``model``)."""
+
+    def __init__(self, shape: list | None = None):
+        super().__init__()
+        self.shape = shape
+
+    def const(self, value, dtype=np.float32) -> str:
+        return self.tensor(np.asarray(value, dtype=dtype))
 
     def t(self, x: str, perm: list[int] | None) -> str:
         """A Transpose; ``perm=None``: the default (reversing) one."""

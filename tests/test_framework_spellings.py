@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx.helper as oh
-import onnx.numpy_helper as onh
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto
@@ -22,7 +21,7 @@ import lnfuse
 from lnfuse.match import algebra
 from lnfuse.index.constants import static_value
 from lnfuse.index.shapes import infer_shapes
-from normgraphs import run
+from normgraphs import OpGraph, run
 
 H, EPS = 8, 1e-5
 RNG = np.random.default_rng(20)
@@ -32,24 +31,16 @@ DTYPES = {"float32": (TensorProto.FLOAT, np.float32), "float16": (TensorProto.FL
 STATISTICS = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "Max", "Where")
 
 
-class Graph:
-    """``g.op("Mul", a, b)`` returns the output name; ``X`` is ``[B, 4, H]`` with a symbolic batch."""
+class Graph(OpGraph):
+    """A norm written op by op (``OpGraph``); ``X`` is ``[B, 4, H]`` with a symbolic batch."""
 
     def __init__(self, dtype: str = "float32", shape: tuple = ("B", 4, H), opset: int = 18):
+        super().__init__()
         self.elem, self.np = DTYPES[dtype]
         self.shape, self.opset = list(shape), opset
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-
-    def op(self, op_type: str, *inputs: str, **attrs) -> str:
-        out = f"{op_type.lower()}_{len(self.nodes)}"
-        self.nodes.append(oh.make_node(op_type, list(inputs), [out], name=f"{op_type}_{len(self.nodes)}", **attrs))
-        return out
 
     def const(self, value, dtype=None) -> str:
-        name = f"c{len(self.inits)}"
-        self.inits.append(onh.from_array(np.asarray(value, dtype=dtype or self.np), name))
-        return name
+        return self.tensor(np.asarray(value, dtype=dtype or self.np))
 
     def ints(self, values) -> str:
         return self.const(values, np.int64)

@@ -31,50 +31,58 @@ def _save(model: onnx.ModelProto, folder: Path) -> Path:
     return path
 
 
+def _norm_model(tail: onnx.NodeProto, inits=(), value_info=()) -> onnx.ModelProto:
+    """The decomposed norm of ``x`` [2, H] into ``n``, then ``tail`` from ``n`` to the output ``y``."""
+    inits = [onh.from_array(np.array(2.0, np.float32), "two"), onh.from_array(np.array(1e-5, np.float32), "eps"),
+             *inits]
+    model = oh.make_model(oh.make_graph(_layer_norm_nodes() + [tail], "g",
+                                        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])], inits,
+                                        value_info=list(value_info)),
+                          opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _ort_loads(model: onnx.ModelProto) -> None:
+    ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _cli(model: onnx.ModelProto, folder: Path, capsys, *args: str) -> tuple[int, str, Path]:
+    """The model saved in ``folder`` and run through the CLI into ``folder/out``: exit code, stderr, output path."""
+    path = _save(model, folder)
+    out = folder / "out" / "fused.onnx"
+    out.parent.mkdir()
+    code = main([str(path), "-o", str(out), *args])
+    return code, capsys.readouterr().err, out
+
+
+def _refused(code: int, err: str, out: Path, *words: str) -> None:
+    """Exit 2, one line on stderr holding ``words``, nothing written."""
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and all(word in err for word in words)
+    assert list(out.parent.iterdir()) == []
+
+
 @pytest.mark.parametrize("target", ["ort", "onnx"])
 def test_an_input_whose_types_onnx_runtime_refuses_is_refused(tmp_path: Path, capsys, target: str):
     # a float16 constant added to a float32 tensor: onnx's basic checker passes it, ONNX Runtime refuses to load
     # it ("Type parameter (T) bound to different types"), and a written copy would fail the full checker
-    nodes = _layer_norm_nodes() + [oh.make_node("Add", ["n", "half"], ["y"])]
-    inits = [onh.from_array(np.array(2.0, np.float32), "two"), onh.from_array(np.array(1e-5, np.float32), "eps"),
-             onh.from_array(np.ones([H], np.float16), "half")]
-    model = oh.make_model(oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
-                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])], inits),
-                          opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 8
-    path = _save(model, tmp_path)
+    model = _norm_model(oh.make_node("Add", ["n", "half"], ["y"]), [onh.from_array(np.ones([H], np.float16), "half")])
     with pytest.raises(Exception, match="bound to different types|Type Error"):
-        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    out = tmp_path / "out" / "fused.onnx"
-    out.parent.mkdir()
-    code = main([str(path), "-o", str(out), "--target", target, "--no-verify"])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "type" in err
-    assert list(out.parent.iterdir()) == []
+        _ort_loads(model)
+    _refused(*_cli(model, tmp_path, capsys, "--target", target, "--no-verify"), "type")
 
 
 @pytest.mark.parametrize("declared", [TensorProto.INT64, TensorProto.FLOAT16])
 def test_a_value_declared_of_another_dtype_than_its_node_computes_is_refused(tmp_path: Path, capsys, declared: int):
     # value_info says the norm's output is int64 (or float16) where its nodes compute float32: ONNX Runtime refuses to
     # load it ("Type Error"); the type is checked once, by the same strict inference that gives lnfuse its shapes
-    nodes = _layer_norm_nodes() + [oh.make_node("Neg", ["n"], ["y"])]
-    inits = [onh.from_array(np.array(2.0, np.float32), "two"), onh.from_array(np.array(1e-5, np.float32), "eps")]
-    model = oh.make_model(oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
-                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])], inits,
-                                        value_info=[oh.make_tensor_value_info("n", declared, [2, H])]),
-                          opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 8
-    path = _save(model, tmp_path)
+    model = _norm_model(oh.make_node("Neg", ["n"], ["y"]),
+                        value_info=[oh.make_tensor_value_info("n", declared, [2, H])])
     with pytest.raises(Exception, match="Type Error"):
-        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    out = tmp_path / "out" / "fused.onnx"
-    out.parent.mkdir()
-    code = main([str(path), "-o", str(out)])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "types do not line up" in err and "'n'" in err
-    assert list(out.parent.iterdir()) == []
+        _ort_loads(model)
+    _refused(*_cli(model, tmp_path, capsys), "types do not line up", "'n'")
 
 
 def _declared(kind: str) -> onnx.ValueInfoProto:
@@ -94,22 +102,10 @@ def _declared(kind: str) -> onnx.ValueInfoProto:
 def test_a_value_declared_of_another_kind_than_its_node_computes_is_refused(tmp_path: Path, capsys, kind: str):
     # the norm's output declared a sequence, an optional, a sparse tensor, or a tensor of element type 0: ONNX Runtime
     # refuses each; only shapes are claims it ignores
-    nodes = _layer_norm_nodes() + [oh.make_node("Neg", ["n"], ["y"])]
-    inits = [onh.from_array(np.array(2.0, np.float32), "two"), onh.from_array(np.array(1e-5, np.float32), "eps")]
-    model = oh.make_model(oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
-                                        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])], inits,
-                                        value_info=[_declared(kind)]), opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 8
-    path = _save(model, tmp_path)
+    model = _norm_model(oh.make_node("Neg", ["n"], ["y"]), value_info=[_declared(kind)])
     with pytest.raises(Exception):
-        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    out = tmp_path / "out" / "fused.onnx"
-    out.parent.mkdir()
-    code = main([str(path), "-o", str(out)])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "types do not line up" in err and "'n'" in err
-    assert list(out.parent.iterdir()) == []
+        _ort_loads(model)
+    _refused(*_cli(model, tmp_path, capsys), "types do not line up", "'n'")
 
 
 @pytest.mark.parametrize("declared, ort_loads", [
@@ -133,19 +129,14 @@ def test_a_body_declaring_an_enclosing_graphs_value_is_read_as_ort_reads_it(tmp_
                                         [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])]),
                           opset_imports=[oh.make_opsetid("", 17)])
     model.ir_version = 8
-    path = _save(model, tmp_path)
     if ort_loads:
-        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        _ort_loads(model)
+        code, err, _ = _cli(model, tmp_path, capsys)
+        assert code == 0, err
     else:
         with pytest.raises(Exception, match="Graph attribute inferencing failed"):
-            ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    out = tmp_path / "out" / "fused.onnx"
-    out.parent.mkdir()
-    code = main([str(path), "-o", str(out)])
-    err = capsys.readouterr().err
-    assert code == (0 if ort_loads else 2), err
-    if not ort_loads:
-        assert len(err.strip().splitlines()) == 1 and "enclosing graph" in err
+            _ort_loads(model)
+        _refused(*_cli(model, tmp_path, capsys), "enclosing graph")
 
 
 def test_a_value_typed_by_its_declaration_alone_still_has_its_readers_checked(tmp_path: Path, capsys):
@@ -158,16 +149,9 @@ def test_a_value_typed_by_its_declaration_alone_still_has_its_readers_checked(tm
                                         value_info=[oh.make_tensor_value_info("g", TensorProto.FLOAT, [2, H])]),
                           opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.microsoft", 1)])
     model.ir_version = 8
-    path = _save(model, tmp_path)
     with pytest.raises(Exception, match="Type Error|bound to different types"):
-        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    out = tmp_path / "out" / "fused.onnx"
-    out.parent.mkdir()
-    code = main([str(path), "-o", str(out)])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "types do not line up" in err
-    assert list(out.parent.iterdir()) == []
+        _ort_loads(model)
+    _refused(*_cli(model, tmp_path, capsys), "types do not line up")
 
 
 @pytest.mark.parametrize("version", [0, -1])
@@ -178,16 +162,9 @@ def test_an_opset_version_below_one_is_refused(tmp_path: Path, capsys, version: 
                                         [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])]),
                           opset_imports=[oh.make_opsetid("", version)])
     model.ir_version = 8
-    path = _save(model, tmp_path)
     with pytest.raises(Exception):
-        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    out = tmp_path / "out" / "fused.onnx"
-    out.parent.mkdir()
-    code = main([str(path), "-o", str(out), "--target", "onnx", "--no-verify"])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "opset" in err
-    assert list(out.parent.iterdir()) == []
+        _ort_loads(model)
+    _refused(*_cli(model, tmp_path, capsys, "--target", "onnx", "--no-verify"), "opset")
 
 
 def _relu_model(elem_type: int = TensorProto.FLOAT, inits=()) -> onnx.ModelProto:

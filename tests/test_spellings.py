@@ -20,7 +20,7 @@ from onnxscript import FLOAT, script
 from onnxscript import opset18 as op
 
 import lnfuse
-from normgraphs import feeds_for, op_types, run
+from normgraphs import OpGraph, feeds_for, op_types, run
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 H, EPS = 8, 1e-5
@@ -29,32 +29,22 @@ GAMMA = RNG.uniform(0.5, 1.5, H).astype(np.float32)
 BETA = RNG.uniform(-1, 1, H).astype(np.float32)
 
 
-class Graph:
-    """A tiny builder: ``g.op("Mul", a, b)`` returns the output name."""
+class Graph(OpGraph):
+    """A tiny builder of float32 norms on ``X`` of ``shape``."""
 
     def __init__(self, shape=(2, 3, H), opset: int = 17):
+        super().__init__()
         self.shape, self.opset = list(shape), opset
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-
-    def op(self, op_type: str, *inputs: str, **attrs) -> str:
-        out = f"{op_type.lower()}_{len(self.nodes)}"
-        self.nodes.append(oh.make_node(op_type, list(inputs), [out], name=f"{op_type}_{len(self.nodes)}", **attrs))
-        return out
 
     def const(self, value, name: str | None = None) -> str:
-        name = name or f"c{len(self.inits)}"
-        self.inits.append(onh.from_array(np.asarray(value, dtype=np.float32), name))
-        return name
+        return self.tensor(np.asarray(value, dtype=np.float32), name)
 
     def mean(self, x: str, axes=(-1,)) -> str:
         return self.op("ReduceMean", x, axes=list(axes)) if self.opset < 18 else \
             self.op("ReduceMean", x, self.ints(axes))
 
     def ints(self, values) -> str:
-        name = f"i{len(self.inits)}"
-        self.inits.append(onh.from_array(np.asarray(values, dtype=np.int64), name))
-        return name
+        return self.tensor(np.asarray(values, dtype=np.int64), f"i{len(self.inits)}")
 
     def model(self, y: str) -> onnx.ModelProto:
         graph = oh.make_graph(self.nodes, "g", [oh.make_tensor_value_info("X", TensorProto.FLOAT, self.shape)],
