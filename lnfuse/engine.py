@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from lnfuse.errors import out_of_memory
 from lnfuse.match import candidates as statistics
 from lnfuse.match.algebra import Cache
 from lnfuse.index.canonical import canonicalize
@@ -28,7 +29,7 @@ from lnfuse.report import Candidate, Fused, Refused, Report, Unfused
 from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from lnfuse.index.shapes import infer_shapes
 from lnfuse.index.traversal import every_node
-from lnfuse.verification.region import verify
+from lnfuse.verification.region import Outcome, verify
 
 #: match attempts per root node; commuted operands make a few, a pathological graph must not make thousands
 _MAX_ATTEMPTS = 64
@@ -110,6 +111,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
     replaced: dict[ir.Value, str] = {}  # fused outputs, and the name of the value each replaced
     names = _all_names(model, nodes)
     opsets_used: dict[str, int] = {}
+    starved: dict[ir.Node, str] = {}  # the nodes of regions whose verification ran out of memory
     every_scope = list(scopes(model))
     steps, step = max(1, len(every_scope) * len(options.rules)), 0
     for scope in every_scope:
@@ -136,7 +138,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             # undecided before verification: verifying on onnx's shapes would be wasted (verification only adds
             # refusals, so a pass undecided before it is undecided after it)
             why = _undecided(rule, found, found.accepted, found_stats, order) if seeds is not None else ""
-            kept = [] if why else _verified(found.accepted, model, scope, options, report, found)
+            kept = [] if why else _verified(found.accepted, model, scope, options, report, found, starved)
             if seeds is not None and (why := why or _undecided(rule, found, kept, found_stats, order)):
                 del report.fused[recorded:]  # this pass is done again on the new shapes
                 _forget(found.accepted)
@@ -146,7 +148,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
                 if not swept:  # nothing rewritten in this graph yet: the statistics are found on the new shapes
                     found_stats = statistics.find(scope.graph)
                 found = find(rule, ctx, order)
-                kept = _verified(found.accepted, model, scope, options, report, found)
+                kept = _verified(found.accepted, model, scope, options, report, found, starved)
             for candidate in kept:
                 fused_by.update(dict.fromkeys(candidate.replacement.region,
                                               (rule.name, candidate.replacement.op_type)))
@@ -478,7 +480,11 @@ def check_no_cycle(rep: Replacement, position: dict[ir.Node, float]) -> None:
 
 
 def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, options: Options, report: Report,
-              found: _Pass) -> list[_Candidate]:
+              found: _Pass, starved: dict[ir.Node, str]) -> list[_Candidate]:
+    """The candidates ORT finds computing what they replace. ``starved``: the nodes of regions whose verification
+    ran out of memory, with what it said; a candidate over any of them is refused the same way unrun (another
+    form of the same norm needs about as much, and would fail after seconds of allocating), and new ones are
+    added."""
     if not candidates:
         return []
     if not options.verify:
@@ -490,19 +496,24 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
     for c in candidates:
         for domain, version in c.replacement.opset_imports.items():
             opsets.setdefault(domain, version)
-    outcomes = verify([c.replacement for c in candidates], opsets, model.ir_version, found.position,
-                      allow_requantization=options.allow_requantization)
+    unrun = {id(c): said for c in candidates for n in c.replacement.region if (said := starved.get(n))}
+    run = [c for c in candidates if id(c) not in unrun]
+    outcomes = dict(zip(map(id, run), verify([c.replacement for c in run], opsets, model.ir_version,
+                                             found.position, allow_requantization=options.allow_requantization)))
     kept = []
-    for c, outcome in zip(candidates, outcomes):
+    for c in candidates:
+        outcome = outcomes.get(id(c)) or Outcome(False, float("nan"), unrun[id(c)])
         if outcome.ok:
             kept.append(c)
             c.notes.extend(q.describe() for q in outcome.requantized)
             _record_fused(c, scope, outcome.max_error, report)
-        else:
-            _forget([c])
-            refusal = Refusal("verify", f"{c.replacement.op_type} rewrite not applied: {outcome.detail}")
-            for anchor in c.anchors:
-                found.refuse(anchor, _Attempt(refusal, c.replacement.region, stage=3))
+            continue
+        _forget([c])
+        if out_of_memory(outcome.detail):
+            starved.update(dict.fromkeys(c.replacement.region, outcome.detail))
+        refusal = Refusal("verify", f"{c.replacement.op_type} rewrite not applied: {outcome.detail}")
+        for anchor in c.anchors:
+            found.refuse(anchor, _Attempt(refusal, c.replacement.region, stage=3))
     return kept
 
 

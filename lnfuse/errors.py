@@ -13,6 +13,16 @@ def one_line(text: str) -> str:
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
+#: what an allocation failure says when it does not arrive as a MemoryError (ONNX Runtime, protobuf, C++)
+_OUT_OF_MEMORY = re.compile(r"bad_alloc|out of memory|failed to allocate|cannot allocate memory|MemoryError", re.I)
+
+
+def out_of_memory(text: str) -> str | None:
+    """The words in ``text`` that say an allocation failed, or None."""
+    found = _OUT_OF_MEMORY.search(text)
+    return found.group() if found else None
+
+
 def first_line(error: Exception) -> str:
     """The first line of an exception's message (libraries raise multi-line ones; the CLI prints one line)."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]

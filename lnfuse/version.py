@@ -3,6 +3,7 @@ libraries themselves to ask would cost a second)."""
 
 from __future__ import annotations
 
+import functools
 from importlib import metadata
 
 #: the libraries whose versions decide what lnfuse writes; onnxruntime ships under several distribution names
@@ -11,6 +12,7 @@ _LIBRARIES = (("onnx", ("onnx",)), ("onnxruntime", ("onnxruntime", "onnxruntime-
               ("onnxscript", ("onnxscript",)), ("onnx-ir", ("onnx-ir",)))
 
 
+@functools.cache  # the version of the code this process imported: a pip run meanwhile does not change it
 def installed(distribution: str) -> str | None:
     try:
         return metadata.version(distribution)

@@ -189,3 +189,32 @@ def test_a_broadcast_inference_assumed_stays_unproven_under_any_hash_seed(hash_s
                          env={"PYTHONHASHSEED": hash_seed, "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "4"
+
+
+_STARVED = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_DATA, (1 << 30, resource.RLIM_INFINITY))
+import lnfuse
+from lnfuse.verification import region
+runs = []
+run = region._run
+region._run = lambda regions, *args: runs.append([r.rep.op_type for r in regions]) or run(regions, *args)
+result = lnfuse.fuse(sys.argv[1])
+print(runs)
+print([(u.rule, u.check, u.reason) for u in result.report.unfused])
+"""
+
+
+def test_a_norm_whose_verification_ran_out_of_memory_is_not_verified_again(tmp_path: Path):
+    """One LayerNorm on a [16, 4096, 1024] input under a 1 GB data limit: its verification runs out of memory. The
+    smaller form another rule matches in it (the RMS norm of x - mean) would need as much: it is refused for the
+    same reason without being run, and the report says the memory ran out."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoomodels import memory_hog
+
+    model = memory_hog(tmp_path / "hog.onnx")
+    proc = subprocess.run([sys.executable, "-c", _STARVED, str(model)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    runs, unfused = proc.stdout.splitlines()[-2:]
+    assert runs == "[['LayerNormalization']]", "the region ran once, and alone (no second run of a batch of one)"
+    assert "layer_norm" in unfused and "Failed to allocate" in unfused, unfused

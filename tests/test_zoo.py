@@ -283,19 +283,18 @@ def test_ray_runs_the_same_jobs(tree: Path, tmp_path: Path):
 
 def test_one_parse_serves_the_fuse_and_the_hash(tmp_path: Path, monkeypatch):
     """The worker hashes the model's bytes and takes its data files from the fuse's own load: the model is parsed
-    once, and the hash is the one earlier ledgers hold (so they still resume)."""
-    import hashlib
+    once, and the identity is the one a listing of the model's own finds."""
     from lnfuse.load import io
-    from lnfuse.zoo.job import Job, run
+    from lnfuse.zoo.job import Job, identify, run
 
     model = external_model(tmp_path / "in")
     parsed = []
     read_proto = io.read_proto
     monkeypatch.setattr(io, "read_proto", lambda path: parsed.append(path) or read_proto(path))
-    row = run(Job(str(model), str(tmp_path / "out" / "ext.onnx"), "ext.onnx"))
+    job = Job(str(model), str(tmp_path / "out" / "ext.onnx"), "ext.onnx")
+    row = run(job)
     assert row["status"] == "fused" and len(parsed) == 1, (row, parsed)
-    expected = hashlib.sha256(b"\0" + model.read_bytes() + b"ext.data\0" + (model.parent / "ext.data").read_bytes())
-    assert row["sha256"] == expected.hexdigest() and row["data_files"] == ["ext.data"]
+    assert row["sha256"] == identify(job)["sha256"] and row["data_files"] == ["ext.data"]
     assert [key[0] for key in row["stat"]] == ["", "ext.data"] and row["bytes_in"] == \
         model.stat().st_size + (model.parent / "ext.data").stat().st_size
     written = tmp_path / "out" / "ext.onnx"
@@ -332,6 +331,37 @@ def test_resume_compares_stat_keys_and_hashes_only_touched_models(tmp_path: Path
     assert "2 model(s) taken from the ledger" in proc.stdout
     third = lnfuse(str(models), "-o", str(out), "--jobs", "2")
     assert "4 model(s) taken from the ledger" in third.stdout and len(ledger(out)) == len(first) + 3
+
+
+def test_a_data_file_s_zeros_written_as_holes_are_the_same_content(tmp_path: Path):
+    """The identity of a data file is its content: the same bytes with their zeros written out or left as holes
+    (``cp --sparse``, a copy to another filesystem) resume as unchanged, and one byte set inside a run of zeros is
+    a change. A data file of terabytes of holes is identified without reading them."""
+    from lnfuse.zoo.job import Job, identify
+
+    folder = tmp_path / "in"
+    model = external_model(folder)
+    data = folder / "ext.data"
+    weights = data.read_bytes()
+    gap = (3 << 20) + 5  # zeros across whole hashing blocks and parts of two
+    data.write_bytes(weights + bytes(gap) + weights)
+    job = Job(str(model), str(tmp_path / "out" / "m.onnx"), "m.onnx")
+    dense = identify(job)
+    with open(data, "r+b") as rewritten:  # the same bytes, the gap a hole now
+        rewritten.truncate(len(weights))
+        rewritten.seek(len(weights) + gap)
+        rewritten.write(weights)
+    assert data.read_bytes() == weights + bytes(gap) + weights
+    assert identify(job)["sha256"] == dense["sha256"]
+    with open(data, "r+b") as edited:
+        edited.seek(len(weights) + gap // 2)
+        edited.write(b"\1")
+    assert identify(job)["sha256"] != dense["sha256"]
+    with open(data, "r+b") as grown:  # 1 TiB more of holes (no disk): hashed as its length, not read
+        grown.truncate(1 << 40)
+        if os.lseek(grown.fileno(), 0, os.SEEK_HOLE) == 1 << 40:
+            pytest.skip("this filesystem does not report holes")
+    assert identify(job)["sha256"] not in (None, dense["sha256"])
 
 
 @pytest.mark.parametrize("hostile", ["fifo", "link out", "hard link"])

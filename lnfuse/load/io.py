@@ -8,7 +8,6 @@ names of the value_info entries the input had are remembered and the others are 
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import math
 import mmap
@@ -28,6 +27,7 @@ from lnfuse.save.staging import Staging
 from lnfuse.load.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.load.repair import declare_output_shapes, repair
+from lnfuse.load.sparse import data_runs
 from lnfuse.index.demand import PendingShapes, infer_shapes_deferred
 from lnfuse.index.shapes import TypesDisagree, infer_function_types, infer_shapes, type_error
 from lnfuse.index.traversal import every_node, every_proto_node, subgraphs
@@ -768,23 +768,9 @@ def _copy_file(source: BinaryIO, target: BinaryIO, size: int) -> None:
     """The first ``size`` bytes of ``source`` into the empty, unbuffered ``target``, as ``cp`` copies: a hole stays a
     hole (``SEEK_DATA``: a sparse data file is not written out as gigabytes of zeros) and each run of data is copied
     by ``_copy_range`` (inside the kernel where it can)."""
-    offset = 0
-    while offset < size:
-        try:
-            start = os.lseek(source.fileno(), offset, os.SEEK_DATA)
-            end = os.lseek(source.fileno(), start, os.SEEK_HOLE)
-        except (AttributeError, OSError) as error:  # no SEEK_DATA here (or not on this filesystem): all is data
-            if isinstance(error, OSError) and error.errno == errno.ENXIO:  # no data past offset: the rest is a hole
-                break
-            if isinstance(error, OSError) and error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            start, end = offset, size
-        if start >= size:
-            break
-        end = min(max(end, start + 1), size)
+    for start, end in data_runs(source.fileno(), size):
         target.seek(start)
         _copy_range(source, target, start, end - start)
-        offset = end
     if os.fstat(source.fileno()).st_size < size:  # a hole read past a new end is no hole: the file got shorter
         raise InputError("an external data file got shorter while lnfuse copied it; run lnfuse again on a folder "
                          "nothing else is changing")

@@ -119,9 +119,9 @@ def verify(replacements: Sequence[Replacement], opsets: dict[str, int], ir_versi
         try:
             for (i, _), outcome in zip(batch, _run([r for _, r in batch], opsets, ir_version)):
                 outcomes[i] = outcome
-        except _Failed:  # isolate the failing region below
+        except _Failed as failure:  # isolate the failing region below (a batch of one has failed alone already)
             for i, region in batch:
-                outcomes[i] = _alone(region, opsets, ir_version)
+                outcomes[i] = _alone(region, opsets, ir_version, failure if len(batch) == 1 else None)
     return [_requantization_policy(o, allow_requantization) for o in outcomes]
 
 
@@ -135,12 +135,14 @@ def _requantization_policy(outcome: Outcome, allow: bool) -> Outcome:
     return Outcome(False, outcome.max_error, detail, outcome.requantized)
 
 
-def _alone(region: "_Region", opsets: dict[str, int], ir_version: int) -> Outcome:
-    """One region's outcome. When its original side cannot run at the sizes drawn, those sizes are outside what the
-    model accepts (a 2-row position table read at sequence length 3): it is then measured at every small size
-    pattern in ``_FALLBACK`` where the original runs, and must agree at each; a replacement that fails where the
-    original runs is refused."""
+def _alone(region: "_Region", opsets: dict[str, int], ir_version: int, failed: _Failed | None = None) -> Outcome:
+    """One region's outcome (``failed``: how its run at the sizes drawn already failed). When its original side
+    cannot run at the sizes drawn, those sizes are outside what the model accepts (a 2-row position table read at
+    sequence length 3): it is then measured at every small size pattern in ``_FALLBACK`` where the original runs,
+    and must agree at each; a replacement that fails where the original runs is refused."""
     try:
+        if failed is not None:
+            raise failed
         return _run([region], opsets, ir_version)[0]
     except _Failed as failure:
         if failure.fused or not region.free:

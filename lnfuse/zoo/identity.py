@@ -1,7 +1,7 @@
 """A model's identity for resuming: what the ledger records of the files a model read, and the cheap check a rerun
 makes before trusting a row.
 
-Two keys per file (the model and each data file it read): the sha256 of its bytes, and its stat key (inode, size,
+Two keys per file (the model and each data file it read): a sha256 of its bytes, and its stat key (inode, size,
 mtime_ns, ctime_ns) taken from the open file before it is hashed. A rerun compares stat keys only, in the driver:
 metadata, no byte of a model is read there. Only a model whose stat keys changed is hashed again, in a worker, and
 only a different hash runs it again (a model copied back over itself is not fused twice). ctime cannot be set by a
@@ -10,7 +10,11 @@ shows as changed. The device number is left out: the same file on NFS has anothe
 
 Every data file is hashed through the model folder's gate (``Gate.admit_file``, ``Gate.open``), with the admission
 a load makes: inside the folder, links followed; a regular file of one link; opened without following links or
-blocking. A model folder changed into something hostile after the first run is never read outside the gate."""
+blocking. A model folder changed into something hostile after the first run is never read outside the gate.
+
+A data file is hashed as 1 MiB blocks with each run of all-zero blocks written as its length (``_hash_data``): the
+holes of a sparse file (``load.sparse``) are then never read, and the same bytes give the same digest whether their
+zeros are holes on disk or written out."""
 
 from __future__ import annotations
 
@@ -72,12 +76,43 @@ class ModelIdentity:
         for name in data_files:
             gate.admit_file(name)
             with gate.open(name) as stream:
-                keys.append([name, *stat_key(os.fstat(stream.fileno()))])
+                st = os.fstat(stream.fileno())
+                keys.append([name, *stat_key(st)])
                 digest.update(name.encode() + b"\0")
-                while chunk := stream.read(_CHUNK):
-                    digest.update(chunk)
+                _hash_data(digest, stream.fileno(), st.st_size)
         self._taken[tuple(data_files)] = digest.hexdigest(), keys
         return self._taken[tuple(data_files)]
+
+
+def _hash_data(digest: hashlib._Hash, fd: int, size: int) -> None:
+    """The first ``size`` bytes of ``fd`` into ``digest``: the size, then block by block ``D`` and the block's
+    bytes, or ``Z`` and the count of a run of all-zero blocks (a run is always whole, so the encoding is one per
+    content). Only the blocks that hold data on disk are read."""
+    from lnfuse.load.sparse import data_runs
+
+    digest.update(size.to_bytes(8, "little"))
+    zero, zeros, block = bytes(_CHUNK), 0, 0  # a run of zero blocks waiting for its end; the next block unread
+    for start, end in data_runs(fd, size):
+        first, last = max(block, start // _CHUNK), (end - 1) // _CHUNK
+        zeros += first - block
+        for index in range(first, last + 1):
+            length = min(_CHUNK, size - index * _CHUNK)
+            chunk = os.pread(fd, length, index * _CHUNK)
+            if len(chunk) < length:
+                raise InputError("a data file got shorter while lnfuse hashed it; run lnfuse again on a folder "
+                                 "nothing else is changing")
+            if chunk == zero[:length]:
+                zeros += 1
+                continue
+            if zeros:
+                digest.update(b"Z" + zeros.to_bytes(8, "little"))
+                zeros = 0
+            digest.update(b"D")
+            digest.update(chunk)
+        block = max(block, last + 1)
+    zeros += -(-size // _CHUNK) - block
+    if zeros:
+        digest.update(b"Z" + zeros.to_bytes(8, "little"))
 
 
 def of_model(path: Path) -> ModelIdentity:

@@ -7,13 +7,12 @@ and never fuses, and should not pay a second of imports for it; the workers impo
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from lnfuse.errors import LnfuseError, UsageError, first_line, one_line
+from lnfuse.errors import LnfuseError, UsageError, first_line, one_line, out_of_memory
 from lnfuse.version import version_line
 from lnfuse.zoo.identity import ModelIdentity, of_model
 
@@ -21,8 +20,6 @@ from lnfuse.zoo.identity import ModelIdentity, of_model
 OK, LEFT, BAD, INTERNAL = 0, 1, 2, 3
 #: a resumed model whose files were touched but hold the bytes of its previous row: that row stands
 UNCHANGED = "unchanged"
-#: what an allocation failure says when it does not arrive as a MemoryError (ONNX Runtime, protobuf, C++)
-_OUT_OF_MEMORY = re.compile(r"bad_alloc|out of memory|failed to allocate|cannot allocate memory|MemoryError", re.I)
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
         fields.update(status="over memory", exit=BAD, reason="ran out of memory under --max-memory")
     except Exception as error:  # noqa: BLE001 - one model's bug is its row, never the run's end
         text = one_line(first_line(error))[:300]
-        if _OUT_OF_MEMORY.search(text):
+        if out_of_memory(text):
             fields.update(status="over memory", exit=BAD, reason=f"ran out of memory ({text})")
         else:
             fields.update(status="internal error", exit=INTERNAL,
@@ -117,11 +114,11 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
     fused = report.fused_counts()
     done = model.complete(_read_files(result.ir_model, Path(job.source)))
     done |= {"fused": fused, "refused": len(report.unfused)}
-    starved = next((u for u in report.unfused if _OUT_OF_MEMORY.search(u.reason)), None)
+    starved = next((u for u in report.unfused if out_of_memory(u.reason)), None)
     if starved is not None:
         # a check that could not run for lack of memory is no verdict on the model: written, the output would
         # depend on the memory limit
-        said = _OUT_OF_MEMORY.search(starved.reason).group()
+        said = out_of_memory(starved.reason)
         return done | {"status": "over memory", "exit": BAD, "reason": one_line(
             f"ran out of memory verifying {starved.anchor} [{starved.rule}] ({said} in ONNX Runtime); nothing was "
             "written; raise --max-memory")}

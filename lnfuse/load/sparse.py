@@ -1,0 +1,29 @@
+"""Where a file holds data: a sparse file (a weight file written by seeking past zeros, or copied by ``cp``) has
+holes that read as zeros and take no disk, and neither copying nor hashing it need touch them."""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Iterator
+
+
+def data_runs(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """The (start, end) ranges of the first ``size`` bytes that may hold data, in order; everything between them is
+    a hole. Where the system or filesystem cannot tell (no ``SEEK_DATA``), one range: all of it."""
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+        except (AttributeError, OSError) as error:
+            if isinstance(error, OSError) and error.errno == errno.ENXIO:  # no data past offset: the rest is a hole
+                return
+            if isinstance(error, OSError) and error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            start, end = offset, size
+        if start >= size:
+            return
+        end = min(max(end, start + 1), size)
+        yield start, end
+        offset = end
