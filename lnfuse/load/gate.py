@@ -85,7 +85,7 @@ class Gate:
         said = f"{self.where}: tensor {_name(tensor)!r} has external data {location!r}"
         file = self._file(location, said)
         offset = _number(info.get("offset", "0"), said, "offset")
-        needed = trust.tensor_bytes(tensor, said)
+        needed = _tensor_bytes(tensor, said)
         length = _number(info["length"], said, "length") if "length" in info else file.size - offset
         if length != needed:
             raise InputError(f"{said}: its length {length} is not the {needed} bytes its type and shape need; "
@@ -347,3 +347,16 @@ def _number(text: str, said: str, key: str) -> int:
     if not isinstance(text, str) or not text.isascii() or not text.isdigit():
         raise InputError(f"{said}: {key} {text!r} is not a non-negative whole number; re-export the model")
     return int(text)
+
+
+def _tensor_bytes(tensor: onnx.TensorProto, said: str) -> int:
+    """The bytes a tensor of this type and shape holds (four-bit types pack two elements a byte)."""
+    elements = trust.element_count(tensor.dims, said)
+    try:
+        itemsize = ir.DataType(tensor.data_type).itemsize
+    except ValueError:
+        raise InputError(f"{said}: unknown data type {tensor.data_type}; re-export the model") from None
+    if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        raise InputError(f"{said}: a {onnx.TensorProto.DataType.Name(tensor.data_type)} tensor cannot be external "
+                         "data; re-export the model")
+    return math.ceil(elements * itemsize)

@@ -12,23 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-import onnx
-import onnx_ir as ir
-
 from lnfuse.errors import InputError, OutputError
-
-
-def tensor_bytes(tensor: onnx.TensorProto, said: str) -> int:
-    """The bytes a tensor of this type and shape holds (four-bit types pack two elements a byte)."""
-    elements = element_count(tensor.dims, said)
-    try:
-        itemsize = ir.DataType(tensor.data_type).itemsize
-    except ValueError:
-        raise InputError(f"{said}: unknown data type {tensor.data_type}; re-export the model") from None
-    if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
-        raise InputError(f"{said}: a {onnx.TensorProto.DataType.Name(tensor.data_type)} tensor cannot be external "
-                         "data; re-export the model")
-    return math.ceil(elements * itemsize)
 
 
 def element_count(dims, said: str) -> int:
