@@ -28,7 +28,7 @@ import ctypes
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import onnx
 import onnx_ir as ir
@@ -110,18 +110,8 @@ class PendingShapes:
             return ["shapes: onnx's inference left some dims unknown; ONNX Runtime's symbolic inference was not run "
                     "(every candidate was decided on onnx's shapes: no check refused, no fused op reads several "
                     "run-time tensors, no norm-like statistic was left unmatched)"]
-        cone = _cone(skeleton.graph, seeds)
-        attempts = []
-        if len(cone) == len(skeleton.graph.node) or total <= WHOLE_NODES:
-            attempts.append(("the whole model", skeleton, self.claims, None, self.verdict))
-        if len(cone) < len(skeleton.graph.node):
-            sub, names = _sub_skeleton(skeleton, cone)
-            # the claims of the values it computes; its outputs are its own, and bodies keep theirs
-            declared = {name: info for name, info in self.claims[0].items() if name in names}
-            attempts.append((f"the candidates' cone ({len(cone)} of {len(skeleton.graph.node)} nodes)", sub,
-                             (declared, [onnx.TypeProto() for _ in sub.graph.output], []), names, None))
         notes = []
-        for label, proto, claims, names, verdict in attempts:
+        for label, proto, claims, names, verdict in self._attempts(skeleton, seeds, total):
             nodes = _count_nodes(proto.graph)
             budget = budget_seconds(nodes)
             resizes = _count_ops(proto.graph, "Resize")
@@ -142,6 +132,22 @@ class PendingShapes:
             return notes
         notes.append("shapes: kept onnx's inference alone; checks that need a dim it left unknown refuse and say so")
         return notes
+
+    def _attempts(self, skeleton: onnx.ModelProto, seeds: set[str], total: int) -> Iterator[tuple]:
+        """What to infer, in order, until one is done within its budget: the whole model if it is small or the
+        cone is all of it, then the candidates' cone if that is smaller (found only when it is needed: a small
+        model inferred whole within its budget never needs it)."""
+        nodes = len(skeleton.graph.node)
+        cone = None if total <= WHOLE_NODES else _cone(skeleton.graph, seeds)
+        if cone is None or len(cone) == nodes:
+            yield "the whole model", skeleton, self.claims, None, self.verdict
+        cone = cone if cone is not None else _cone(skeleton.graph, seeds)
+        if len(cone) < nodes:
+            sub, names = _sub_skeleton(skeleton, cone)
+            # the claims of the values it computes; its outputs are its own, and bodies keep theirs
+            declared = {name: info for name, info in self.claims[0].items() if name in names}
+            yield (f"the candidates' cone ({len(cone)} of {nodes} nodes)", sub,
+                   (declared, [onnx.TypeProto() for _ in sub.graph.output], []), names, None)
 
 
 def _within(seconds: float, work: Callable[[Callable[[], None]], onnx.ModelProto]) -> onnx.ModelProto | None:

@@ -191,25 +191,32 @@ def run_local(jobs: list[Job], workers: int, timeout: float | None, max_memory: 
     budget = int(available_memory() * 0.9)
     idle: list[Slot] = []
     busy: list[Slot] = []
+    def fill() -> None:
+        with _interrupts_deferred():  # a Ctrl-C here would leave a worker the cleanup below does not know
+            while pending and len(busy) < workers:
+                job = _admit(pending, budget - sum(s.job.estimate for s in busy), not busy)
+                if job is None:
+                    break
+                slot = idle.pop() if idle else Slot(context, timeout, max_memory)
+                slot.start(job)
+                busy.append(slot)
+                started(job)
+
     try:
-        while pending or busy:
-            with _interrupts_deferred():  # a Ctrl-C here would leave a worker the cleanup below does not know
-                while pending and len(busy) < workers:
-                    job = _admit(pending, budget - sum(s.job.estimate for s in busy), not busy)
-                    if job is None:
-                        break
-                    slot = idle.pop() if idle else Slot(context, timeout, max_memory)
-                    slot.start(job)
-                    busy.append(slot)
-                    started(job)
+        fill()
+        while busy:
             _wait(busy)
+            done = []
             for slot in list(busy):
-                row = slot.poll()
-                if row is None:
-                    continue
-                busy.remove(slot)
-                idle.append(slot)
-                finished(row)
+                if (row := slot.poll()) is not None:
+                    busy.remove(slot)
+                    idle.append(slot)
+                    done.append(row)
+            try:
+                fill()  # the workers go on while the rows are written
+            finally:  # a Ctrl-C while filling still keeps what finished
+                for row in done:
+                    finished(row)
     finally:
         for slot in idle + busy:
             slot.close()
