@@ -482,9 +482,9 @@ def check_no_cycle(rep: Replacement, position: dict[ir.Node, float]) -> None:
 def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, options: Options, report: Report,
               found: _Pass, starved: dict[ir.Node, str]) -> list[_Candidate]:
     """The candidates ORT finds computing what they replace. ``starved``: the nodes of regions whose verification
-    ran out of memory, with what it said; a candidate over any of them is refused the same way unrun (another
-    form of the same norm needs about as much, and would fail after seconds of allocating), and new ones are
-    added."""
+    ran out of memory, with what it said; a candidate over any of them is refused unrun (another form of the same
+    norm needs about as much, and would fail after seconds of allocating: the user must raise the memory either
+    way), and the regions that run out of memory here are added."""
     if not candidates:
         return []
     if not options.verify:
@@ -496,7 +496,8 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
     for c in candidates:
         for domain, version in c.replacement.opset_imports.items():
             opsets.setdefault(domain, version)
-    unrun = {id(c): said for c in candidates for n in c.replacement.region if (said := starved.get(n))}
+    unrun = {id(c): f"not run: it overlaps a region whose verification ran out of memory ({said})"
+             for c in candidates for n in c.replacement.region if (said := starved.get(n))}
     run = [c for c in candidates if id(c) not in unrun]
     outcomes = dict(zip(map(id, run), verify([c.replacement for c in run], opsets, model.ir_version,
                                              found.position, allow_requantization=options.allow_requantization)))
@@ -509,7 +510,7 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
             _record_fused(c, scope, outcome.max_error, report)
             continue
         _forget([c])
-        if out_of_memory(outcome.detail):
+        if id(c) not in unrun and out_of_memory(outcome.detail):
             starved.update(dict.fromkeys(c.replacement.region, outcome.detail))
         refusal = Refusal("verify", f"{c.replacement.op_type} rewrite not applied: {outcome.detail}")
         for anchor in c.anchors:

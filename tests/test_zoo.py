@@ -333,10 +333,10 @@ def test_resume_compares_stat_keys_and_hashes_only_touched_models(tmp_path: Path
     assert "4 model(s) taken from the ledger" in third.stdout and len(ledger(out)) == len(first) + 3
 
 
-def test_a_data_file_s_zeros_written_as_holes_are_the_same_content(tmp_path: Path):
+def test_a_data_file_s_zeros_written_as_holes_are_the_same_content(tmp_path: Path, monkeypatch):
     """The identity of a data file is its content: the same bytes with their zeros written out or left as holes
     (``cp --sparse``, a copy to another filesystem) resume as unchanged, and one byte set inside a run of zeros is
-    a change. A data file of terabytes of holes is identified without reading them."""
+    a change. A data file of a terabyte of holes is identified without reading them."""
     from lnfuse.zoo.job import Job, identify
 
     folder = tmp_path / "in"
@@ -344,24 +344,45 @@ def test_a_data_file_s_zeros_written_as_holes_are_the_same_content(tmp_path: Pat
     data = folder / "ext.data"
     weights = data.read_bytes()
     gap = (3 << 20) + 5  # zeros across whole hashing blocks and parts of two
-    data.write_bytes(weights + bytes(gap) + weights)
+    with open(data, "r+b") as sparse:  # the gap a hole
+        sparse.seek(len(weights) + gap)
+        sparse.write(weights)
+    with open(data, "rb") as sparse:
+        if os.lseek(sparse.fileno(), 0, os.SEEK_HOLE) >= len(weights) + gap:
+            pytest.skip("this filesystem does not report holes")
     job = Job(str(model), str(tmp_path / "out" / "m.onnx"), "m.onnx")
-    dense = identify(job)
-    with open(data, "r+b") as rewritten:  # the same bytes, the gap a hole now
-        rewritten.truncate(len(weights))
-        rewritten.seek(len(weights) + gap)
-        rewritten.write(weights)
-    assert data.read_bytes() == weights + bytes(gap) + weights
-    assert identify(job)["sha256"] == dense["sha256"]
+    holed = identify(job)
+    data.write_bytes(weights + bytes(gap) + weights)  # the same bytes, the zeros written out
+    assert identify(job)["sha256"] == holed["sha256"] is not None
     with open(data, "r+b") as edited:
         edited.seek(len(weights) + gap // 2)
         edited.write(b"\1")
-    assert identify(job)["sha256"] != dense["sha256"]
-    with open(data, "r+b") as grown:  # 1 TiB more of holes (no disk): hashed as its length, not read
+    assert identify(job)["sha256"] != holed["sha256"]
+    read = []
+    pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: read.append(n) or pread(fd, n, at))
+    with open(data, "r+b") as grown:
         grown.truncate(1 << 40)
-        if os.lseek(grown.fileno(), 0, os.SEEK_HOLE) == 1 << 40:
-            pytest.skip("this filesystem does not report holes")
-    assert identify(job)["sha256"] not in (None, dense["sha256"])
+    assert identify(job)["sha256"] is not None and sum(read) < 8 << 20, f"{sum(read)} bytes read"
+
+
+def test_the_data_digest_is_the_documented_encoding(tmp_path: Path):
+    """What the ledger's digest of a data file is (docs/zoo.md), so that a change of format is a decision: the
+    size, then per 1 MiB block ``D`` and its bytes, or ``Z`` and the length of a run of all-zero blocks."""
+    import hashlib
+
+    from lnfuse.zoo.identity import _hash_data
+
+    block = 1 << 20
+    content = b"a" * 10 + bytes(block - 10) + bytes(block) + bytes(block) + bytes(10) + b"b"
+    path = tmp_path / "w.data"
+    path.write_bytes(content)
+    expected = hashlib.sha256(len(content).to_bytes(8, "little") + b"D" + content[:block]
+                              + b"Z" + (2).to_bytes(8, "little") + b"D" + content[3 * block:])
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        _hash_data(digest, stream.fileno(), len(content))
+    assert digest.hexdigest() == expected.hexdigest()
 
 
 @pytest.mark.parametrize("hostile", ["fifo", "link out", "hard link"])

@@ -119,9 +119,10 @@ def verify(replacements: Sequence[Replacement], opsets: dict[str, int], ir_versi
         try:
             for (i, _), outcome in zip(batch, _run([r for _, r in batch], opsets, ir_version)):
                 outcomes[i] = outcome
-        except _Failed as failure:  # isolate the failing region below (a batch of one has failed alone already)
+        except _Failed as failure:  # each region alone, to tell which failed (a batch of one has failed alone)
             for i, region in batch:
-                outcomes[i] = _alone(region, opsets, ir_version, failure if len(batch) == 1 else None)
+                outcomes[i] = _after(region, failure, opsets, ir_version) if len(batch) == 1 else \
+                    _alone(region, opsets, ir_version)
     return [_requantization_policy(o, allow_requantization) for o in outcomes]
 
 
@@ -135,19 +136,21 @@ def _requantization_policy(outcome: Outcome, allow: bool) -> Outcome:
     return Outcome(False, outcome.max_error, detail, outcome.requantized)
 
 
-def _alone(region: "_Region", opsets: dict[str, int], ir_version: int, failed: _Failed | None = None) -> Outcome:
-    """One region's outcome (``failed``: how its run at the sizes drawn already failed). When its original side
-    cannot run at the sizes drawn, those sizes are outside what the model accepts (a 2-row position table read at
-    sequence length 3): it is then measured at every small size pattern in ``_FALLBACK`` where the original runs,
-    and must agree at each; a replacement that fails where the original runs is refused."""
+def _alone(region: "_Region", opsets: dict[str, int], ir_version: int) -> Outcome:
+    """One region's outcome, run by itself."""
     try:
-        if failed is not None:
-            raise failed
         return _run([region], opsets, ir_version)[0]
     except _Failed as failure:
-        if failure.fused or not region.free:
-            return _not_run(failure)
-        error = failure
+        return _after(region, failure, opsets, ir_version)
+
+
+def _after(region: "_Region", error: _Failed, opsets: dict[str, int], ir_version: int) -> Outcome:
+    """The outcome of a region whose run by itself failed with ``error``. When its original side cannot run at the
+    sizes drawn, those sizes are outside what the model accepts (a 2-row position table read at sequence length
+    3): it is then measured at every small size pattern in ``_FALLBACK`` where the original runs, and must agree at
+    each; a replacement that fails where the original runs is refused."""
+    if error.fused or not region.free:
+        return _not_run(error)
     measured = []
     for palette in _FALLBACK:
         try:

@@ -25,10 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lnfuse.errors import InputError, LnfuseError
+from lnfuse.load.sparse import data_runs
 
 #: the stat fields of a file's key; see the module's docstring for why not st_dev
 _KEY = ("st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
-_CHUNK = 1 << 20
+_CHUNK = 1 << 20  # reads of a model file
+#: a data file's digest is taken over blocks of this size: part of the ledger's format (another size would make
+#: every touched model with data files run again on a rerun)
+_BLOCK = 1 << 20
 
 
 def stat_key(st: os.stat_result) -> list[int]:
@@ -88,19 +92,16 @@ def _hash_data(digest: hashlib._Hash, fd: int, size: int) -> None:
     """The first ``size`` bytes of ``fd`` into ``digest``: the size, then block by block ``D`` and the block's
     bytes, or ``Z`` and the count of a run of all-zero blocks (a run is always whole, so the encoding is one per
     content). Only the blocks that hold data on disk are read."""
-    from lnfuse.load.sparse import data_runs
-
     digest.update(size.to_bytes(8, "little"))
-    zero, zeros, block = bytes(_CHUNK), 0, 0  # a run of zero blocks waiting for its end; the next block unread
+    zero, zeros, block = bytes(_BLOCK), 0, 0  # a run of zero blocks waiting for its end; the next block unread
     for start, end in data_runs(fd, size):
-        first, last = max(block, start // _CHUNK), (end - 1) // _CHUNK
+        first, last = max(block, start // _BLOCK), (end - 1) // _BLOCK
         zeros += first - block
         for index in range(first, last + 1):
-            length = min(_CHUNK, size - index * _CHUNK)
-            chunk = os.pread(fd, length, index * _CHUNK)
+            length = min(_BLOCK, size - index * _BLOCK)
+            chunk = os.pread(fd, length, index * _BLOCK)
             if len(chunk) < length:
-                raise InputError("a data file got shorter while lnfuse hashed it; run lnfuse again on a folder "
-                                 "nothing else is changing")
+                raise _shrunk()
             if chunk == zero[:length]:
                 zeros += 1
                 continue
@@ -110,9 +111,16 @@ def _hash_data(digest: hashlib._Hash, fd: int, size: int) -> None:
             digest.update(b"D")
             digest.update(chunk)
         block = max(block, last + 1)
-    zeros += -(-size // _CHUNK) - block
+    if os.fstat(fd).st_size < size:  # cut between two runs of data: what was left out is no hole
+        raise _shrunk()
+    zeros += -(-size // _BLOCK) - block
     if zeros:
         digest.update(b"Z" + zeros.to_bytes(8, "little"))
+
+
+def _shrunk() -> InputError:
+    return InputError("a data file got shorter while lnfuse hashed it; run lnfuse again on a folder nothing else is "
+                      "changing")
 
 
 def of_model(path: Path) -> ModelIdentity:
@@ -130,9 +138,15 @@ def of_model(path: Path) -> ModelIdentity:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise InputError(f"{path}: not a regular file; give an ONNX file")
-        digest = hashlib.sha256(b"\0")  # the model's name in the digest is "" (data files are named)
-        while chunk := stream.read(_CHUNK):
+        # the model's name in the digest is "" (data files are named), and its size says where its bytes end
+        digest = hashlib.sha256(b"\0" + st.st_size.to_bytes(8, "little"))
+        left = st.st_size
+        while left and (chunk := stream.read(min(_CHUNK, left))):
             digest.update(chunk)
+            left -= len(chunk)
+        if left:
+            raise InputError(f"{path}: the file got shorter while lnfuse read it; run lnfuse again on a folder "
+                             "nothing else is changing")
     return ModelIdentity(path, digest, stat_key(st))
 
 

@@ -207,14 +207,14 @@ def run_local(jobs: list[Job], workers: int, timeout: float | None, max_memory: 
         while busy:
             _wait(busy)
             done = []
-            for slot in list(busy):
-                if (row := slot.poll()) is not None:
-                    busy.remove(slot)
-                    idle.append(slot)
-                    done.append(row)
             try:
+                for slot in list(busy):
+                    if (row := slot.poll()) is not None:
+                        busy.remove(slot)
+                        idle.append(slot)
+                        done.append(row)
                 fill()  # the workers go on while the rows are written
-            finally:  # a Ctrl-C while filling still keeps what finished
+            finally:  # a Ctrl-C meanwhile still keeps what finished
                 for row in done:
                     finished(row)
     finally:
