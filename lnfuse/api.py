@@ -201,6 +201,7 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
     upgraded.declared_value_info = loaded.declared_value_info
     # every file the input read (the model, data files of tensors read inline at load): none may be overwritten
     upgraded.model.meta[io.INPUT_FILES] = loaded.model.meta.get(io.INPUT_FILES, [])
+    upgraded.model.meta[io.DATA_LOCATIONS] = loaded.model.meta.get(io.DATA_LOCATIONS, {})
     # the converted model is the same file's graph: its external data stays beside the input, wherever we run from
     upgraded.path, upgraded.source, upgraded.has_external_data = loaded.path, loaded.source, loaded.has_external_data
     upgraded_report = _run(upgraded, options, source)

@@ -42,11 +42,13 @@ WEIGHT_ELEMENTS = 1024
 
 @dataclass(frozen=True)
 class _File:
-    """An admitted data file: its real path, identity (device, inode) and size when it was admitted."""
+    """An admitted data file: its real path, identity (device, inode) and size when it was admitted, and its stat
+    key then (inode, size, mtime_ns, ctime_ns: what a many-model run's ledger compares)."""
 
     real: str
     identity: tuple[int, int]
     size: int
+    key: tuple[int, int, int, int]
 
 
 class Gate:
@@ -123,12 +125,18 @@ class Gate:
             # another name for these bytes may live anywhere on the file system (a hard link to a secret is as
             # good as a symbolic one, and cannot be seen through); onnx's checker refuses it as a "hardlink attack"
             raise InputError(f"{said}: the file has {st.st_nlink} hard links; copy it (cp) to a file of its own")
-        self._files[location] = _File(real, (st.st_dev, st.st_ino), st.st_size)
+        self._files[location] = _File(real, (st.st_dev, st.st_ino), st.st_size,
+                                      (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         return self._files[location]
 
     def files(self) -> list[Path]:
         """The data files admitted so far (real paths)."""
         return sorted({Path(f.real) for f in self._files.values()})
+
+    def admitted(self) -> dict[str, list[int]]:
+        """The locations admitted so far, as the model names them (a link is named, not what it points at, so
+        that pointing it elsewhere is a change), each with its file's stat key when it was admitted."""
+        return {location: list(file.key) for location, file in sorted(self._files.items())}
 
     # -- reading --------------------------------------------------------------------------------------------------
 
@@ -160,10 +168,21 @@ class Gate:
                 data += more
         return data
 
-    def map(self, location: str) -> mmap.mmap:
-        """The admitted file, mapped read-only (weights are read without copying them into memory)."""
+    def map(self, location: str, offset: int, length: int) -> tuple[mmap.mmap, int]:
+        """The ``length`` bytes at ``offset`` of the admitted file, mapped read-only (weights are read without
+        copying them into memory), and where they start in the map: only their pages are mapped, never the whole
+        file, whose size is no business of the tensor's (a sparse file of 2^62 bytes would not fit the address
+        space)."""
+        if length == 0:  # an empty tensor: a map of nothing from the file, closable like the others
+            return mmap.mmap(-1, 1), 0
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
         with self.open(location) as file:
-            return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                return mmap.mmap(file.fileno(), offset - start + length, offset=start, access=mmap.ACCESS_READ), \
+                    offset - start
+            except (OSError, ValueError) as error:
+                raise InputError(f"{self.where}: external data {location!r} cannot be mapped ({error}); run lnfuse "
+                                 "again, or with more address space (ulimit -v)") from None
 
     def inline(self, tensor: onnx.TensorProto) -> onnx.TensorProto:
         """A copy of an admitted external tensor with its bytes inline."""
@@ -187,8 +206,8 @@ class Gate:
     def array(self, tensor: onnx.TensorProto) -> np.ndarray:
         """The values of an external tensor (a serialized ``GatedTensor``), read through the gate."""
         info = {e.key: e.value for e in tensor.external_data}
-        offset, _ = self.admit(tensor)
-        return _decode(self.map(info["location"]), offset, ir.DataType(tensor.data_type), tuple(tensor.dims))
+        mapped, start = self.map(info["location"], *self.admit(tensor))
+        return _decode(mapped, start, ir.DataType(tensor.data_type), tuple(tensor.dims))
 
     # -- the model's tensors ----------------------------------------------------------------------------------------
 
@@ -214,13 +233,13 @@ class GatedTensor(ir.ExternalTensor):
     ``base_dir / location`` itself, and a ``base_dir`` that a caller changes (or a relative one, under another
     working directory) would read another file."""
 
-    __slots__ = ("_gate",)
+    __slots__ = ("_gate", "_start")
 
     def __init__(self, gate: Gate, like: ir.ExternalTensor) -> None:
         super().__init__(like.location, like.offset, like.length, like.dtype, shape=like.shape, name=like.name,
                          doc_string=like.doc_string, metadata_props=dict(like.metadata_props) or None,
                          base_dir=gate.folder)
-        self._gate = gate
+        self._gate, self._start = gate, 0
 
     @property
     def gate(self) -> Gate:
@@ -235,8 +254,15 @@ class GatedTensor(ir.ExternalTensor):
         """Ignored: the gate decides where the bytes are read from (onnx_ir's ``set_base_dir`` calls this)."""
 
     def _load(self) -> None:
-        self.raw = self._gate.map(str(self.location))
-        self._array = _decode(self.raw, self.offset or 0, self.dtype, tuple(self.shape.numpy()))
+        self.raw, self._start = self._gate.map(str(self.location), self.offset or 0, self.length or self.nbytes)
+        self._array = _decode(self.raw, self._start, self.dtype, tuple(self.shape.numpy()))
+
+    def tobytes(self) -> bytes:
+        """The tensor's bytes (onnx_ir's would index the map by the file offset: only the tensor's pages are
+        mapped)."""
+        if self.raw is None:
+            self._load()
+        return bytes(self.raw[self._start:self._start + (self.length or self.nbytes)])
 
     def tofile(self, file) -> None:
         offset, length = self.offset or 0, self.length or self.nbytes

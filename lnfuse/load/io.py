@@ -320,6 +320,7 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     has_external = gate.attach(model)
     # absolute: a script may change directory between reading and saving
     model.meta[INPUT_FILES] = [Path(os.path.abspath(f)) for f in ([path] if path is not None else []) + gate.files()]
+    model.meta[DATA_LOCATIONS] = gate.admitted()
     return Loaded(model, path, declared, has_external, error, source_weights, gate, pending)
 
 
@@ -384,6 +385,8 @@ def _set_types(graph: ir.Graph, infos: list[onnx.ValueInfoProto]) -> None:
 
 #: where a loaded model keeps the files it was read from (saving must never write over one of them)
 INPUT_FILES = "lnfuse.input_files"
+#: and its data files as it names them, with their stat keys when they were admitted (``Gate.admitted``)
+DATA_LOCATIONS = "lnfuse.data_locations"
 
 
 #: a sparse tensor is stored dense in memory and in the output: refused past this size, checked before allocating

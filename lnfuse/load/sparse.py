@@ -22,8 +22,10 @@ def data_runs(fd: int, size: int) -> Iterator[tuple[int, int]]:
             if isinstance(error, OSError) and error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
             start, end = offset, size
+        if start < offset or end <= start:  # an answer that does not move forward (a FUSE or NFS server's): no map
+            start, end = offset, size
         if start >= size:
             return
-        end = min(max(end, start + 1), size)
+        end = min(end, size)
         yield start, end
         offset = end

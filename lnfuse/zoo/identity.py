@@ -55,16 +55,19 @@ class ModelIdentity:
         row of a model whose worker is stopped)."""
         return {"sha256": None, "data_files": None, "stat": [["", *self.key]], "bytes_in": self.key[1]}
 
-    def complete(self, data_files: list[str] | None) -> dict:
+    def complete(self, data_files: list[str] | None, admitted: dict[str, list[int]] | None = None) -> dict:
         """The row's identity fields: the hash of the model and of ``data_files`` (relative to its folder), read
-        through the folder's gate. Unknown (None) when the data files are not known or one is no longer admitted:
-        such a row is never taken as finished by a rerun."""
+        through the folder's gate. Unknown (None) when the data files are not known, one is no longer admitted, or
+        one is not the file ``admitted`` says the fuse read (its stat key then): such a row is never taken as
+        finished by a rerun, which fuses the model again."""
         if data_files is None:
             return self.early()
         try:
             digest, keys = self.digest(data_files)
         except (LnfuseError, OSError):  # refused by the gate, or gone or unreadable since it was admitted
             return self.early()
+        if admitted is not None and any(admitted.get(name) != key for name, *key in keys[1:]):
+            return self.early()  # written to between the fuse's read and this hash: the hash is not what was fused
         return {"sha256": digest, "data_files": list(data_files), "stat": keys,
                 "bytes_in": sum(key[2] for key in keys)}
 
@@ -84,6 +87,9 @@ class ModelIdentity:
                 keys.append([name, *stat_key(st)])
                 digest.update(name.encode() + b"\0")
                 _hash_data(digest, stream.fileno(), st.st_size)
+                if stat_key(os.fstat(stream.fileno())) != keys[-1][1:]:
+                    raise InputError(f"{name}: written to while lnfuse hashed it; run lnfuse again on a folder "
+                                     "nothing else is changing")
         self._taken[tuple(data_files)] = digest.hexdigest(), keys
         return self._taken[tuple(data_files)]
 

@@ -32,7 +32,8 @@ def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude
     entries = list(arguments)
     if from_list is not None:
         entries += _listed(from_list)
-    skipped = Path(os.path.abspath(output)) if exclude else None
+    # compared by real path: a link to the output folder (or into it) is the output folder
+    skipped = Path(os.path.realpath(output)) if exclude else None
     found: list[tuple[Path, Path]] = []  # (model, the folder its argument is rooted at)
     for entry in entries:
         path = Path(os.path.abspath(entry))
@@ -40,13 +41,16 @@ def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude
             found += [(model, path) for model in _walk(path, skipped)]
         elif not path.exists() and glob.has_magic(entry):
             matches = [Path(os.path.abspath(m)) for m in sorted(glob.glob(entry, recursive=True))]
-            matches = [m for m in matches if m.is_file() and not _under(m, skipped) and _STAGING not in str(m)]
+            matches = [m for m in matches if m.is_file() and not _under(_real(m), skipped) and _STAGING not in str(m)]
             if not matches:
                 raise UsageError(f"{entry}: no file matches; check the pattern (quote it so the shell does not "
                                  "expand it first)")
             root = Path(os.path.abspath(_fixed_prefix(entry)))
             found += [(m, root) for m in matches]
         else:
+            if _under(_real(path), skipped):
+                raise UsageError(f"{entry}: is inside the output folder {output}, where the outputs could replace it "
+                                 "or its data; choose another -o, or --in-place to rewrite the models where they are")
             found.append((path, path.parent))
     if not found:
         raise UsageError("no .onnx file in the inputs; give model files, folders holding them, or globs")
@@ -73,11 +77,15 @@ def _walk(folder: Path, output: Path | None) -> list[Path]:
     models, root = [], os.path.realpath(folder)
     for where, folders, files in os.walk(folder):  # followlinks=False: a link loop in a model folder ends nothing
         here = Path(where)
-        folders[:] = sorted(f for f in folders if not f.endswith(_STAGING) and not _under(here / f, output))
+        folders[:] = sorted(f for f in folders if not f.endswith(_STAGING) and not _under(_real(here / f), output))
         # a link found in the folder is the folder's, not the user's: followed only where it stays inside it
         models += [here / f for f in sorted(files) if f.endswith(".onnx") and (here / f).is_file()
                    and (not (here / f).is_symlink() or trust.inside(os.path.realpath(here / f), root))]
     return models
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
 
 
 def _under(path: Path, folder: Path | None) -> bool:

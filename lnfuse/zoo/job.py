@@ -59,7 +59,7 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
     those of that row is not fused again: its row says ``unchanged``, with the new stat keys."""
     start = time.perf_counter()
     fields: dict = {}
-    model = None
+    model, done = None, False
     try:
         model = of_model(Path(job.source))  # the model's bytes, hashed before anything parses them
         fields = model.early()
@@ -68,6 +68,7 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
         if hashed is not None:
             hashed(dict(fields))
         fields.update(_fuse(job, model))
+        done = True
     except LnfuseError as error:
         fields.update(status="bad input", exit=error.exit_code, reason=str(error))
     except MemoryError:
@@ -79,9 +80,10 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
         else:
             fields.update(status="internal error", exit=INTERNAL,
                           reason=f"{type(error).__name__}: {text}; please report it with the model")
-    if model is not None and fields.get("sha256") is None:
+    if model is not None and not done and fields.get("sha256") is None:
         # the fuse failed before its load said which data files it read: a listing of its own (a parse on the
-        # failure path only), so that a rerun can tell whether the failure still holds
+        # failure path only), so that a rerun can tell whether the failure still holds. A fuse that finished
+        # keeps the identity it found, unknown included (a file written to after the fuse read it)
         fields.update(model.complete(listed_files(Path(job.source))))
     return job.row(seconds=round(time.perf_counter() - start, 3), **fields)
 
@@ -112,7 +114,7 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
     result = fuse(job.source, inputs=inputs, **job.options)
     report = result.report
     fused = report.fused_counts()
-    done = model.complete(_read_files(result.ir_model, Path(job.source)))
+    done = model.complete(*_read_files(result.ir_model, Path(job.source)))
     done |= {"fused": fused, "refused": len(report.unfused)}
     starved = next((u for u in report.unfused if out_of_memory(u.reason)), None)
     if starved is not None:
@@ -140,17 +142,17 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
     return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}
 
 
-def _read_files(model, path: Path) -> list[str] | None:
-    """The data files the fuse's load admitted through its gate (``io.INPUT_FILES``: the model file, then those),
-    relative to the model's real folder. A list that does not start with this model file (a model not from that
-    load) is not trusted: the model is listed again (``listed_files``)."""
-    from lnfuse.load.io import INPUT_FILES
+def _read_files(model, path: Path) -> tuple[list[str] | None, dict[str, list[int]] | None]:
+    """The data files the fuse's load admitted through its gate, as the model names them, and their stat keys
+    when they were admitted (``io.DATA_LOCATIONS``). A model whose files do not start with this model file (not
+    from that load) is not trusted: the model is listed again (``listed_files``), with no keys."""
+    from lnfuse.load.io import DATA_LOCATIONS, INPUT_FILES
 
     files = [Path(f) for f in model.meta.get(INPUT_FILES, [])]
-    if not files or files[0] != Path(os.path.abspath(path)):
-        return listed_files(path)
-    folder = os.path.realpath(path.parent)
-    return [os.path.relpath(f, folder) for f in files[1:]]
+    admitted = model.meta.get(DATA_LOCATIONS)
+    if not files or files[0] != Path(os.path.abspath(path)) or admitted is None:
+        return listed_files(path), None
+    return list(admitted), admitted
 
 
 def _inputs(path: str | None) -> dict | None:
@@ -173,15 +175,16 @@ def listed_files(path: Path) -> list[str] | None:
 
 
 def data_files(path: Path) -> list[str]:
-    """The external-data files ``path`` reads, relative to its folder, each admitted by lnfuse's gate (inside the
-    folder, a regular file of one link, long enough), or ``InputError`` naming the reference that is not."""
+    """The external-data files ``path`` reads, as it names them (relative to its folder), each admitted by lnfuse's
+    gate (inside the folder, a regular file of one link, long enough), or ``InputError`` naming the reference that
+    is not."""
     from lnfuse.load import io
     from lnfuse.load.gate import Gate
 
     proto, weights = io.read_proto(path)
     gate = Gate(path.parent, str(path))
     gate.admit_all(proto, lnfuse_made=weights.holds if weights is not None else None, read_inline=False)
-    return [os.path.relpath(f, gate.folder) for f in gate.files()]
+    return list(gate.admitted())
 
 
 def _written_bytes(output: Path, layout: str, model) -> int:

@@ -4,8 +4,10 @@ rerun can skip."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 from lnfuse.errors import UsageError
@@ -29,10 +31,11 @@ class Ledger:
     def _read(self) -> dict[str, dict]:
         """The last row of each input. A line cut short by a kill mid-write (the last one) is ignored."""
         rows: dict[str, dict] = {}
-        if not self.path.exists():
-            return rows
         try:
-            text = self.path.read_text()
+            with self._open(os.O_RDONLY) as stream:
+                text = stream.read().decode()
+        except FileNotFoundError:
+            return rows
         except (OSError, UnicodeDecodeError) as error:
             raise UsageError(f"--ledger {self.path}: cannot read it ({error}); give another file or remove it")\
                 from None
@@ -68,13 +71,30 @@ class Ledger:
     def append(self, row: dict) -> None:
         """One line, written whole and pushed to disk before the next model's row."""
         if self._file is None:
-            self._file = open(self.path, "a", encoding="utf-8")
-            if self._file.tell() and not self.path.read_bytes().endswith(b"\n"):
-                self._file.write("\n")  # end the line a kill cut short, so that this row starts its own
-        self._file.write(json.dumps(row, sort_keys=True) + "\n")
-        self._file.flush()
+            self._file = self._open(os.O_RDWR | os.O_APPEND | os.O_CREAT)
+            end = self._file.seek(0, os.SEEK_END)
+            if end and os.pread(self._file.fileno(), 1, end - 1) != b"\n":
+                self._file.write(b"\n")  # end the line a kill cut short, so that this row starts its own
+        line = memoryview((json.dumps(row, sort_keys=True) + "\n").encode())
+        while line:
+            line = line[self._file.write(line):]
         os.fsync(self._file.fileno())
         self.rows[row["input"]] = row
+
+    def _open(self, flags: int):
+        """The ledger file itself: never through a link (rows would land outside the output folder), never a FIFO
+        or device (a read would block, a write go elsewhere)."""
+        try:
+            fd = os.open(self.path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise UsageError(f"--ledger {self.path}: is a link; give the ledger's own path, or remove the link")\
+                    from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UsageError(f"--ledger {self.path}: is not a regular file; give another path or remove it")
+        return os.fdopen(fd, "rb" if flags == os.O_RDONLY else "r+b", buffering=0)
 
     def close(self) -> None:
         if self._file is not None:

@@ -15,12 +15,12 @@ WORKER_BASE = 450 << 20
 def estimate(path: Path, max_memory: int | None) -> int:
     """Memory a model is expected to need, from its size alone (the run never parses a model outside a worker):
     the worker, plus the model file twice (parsed structure, written copy), plus a tenth of the data files beside
-    it named after it (external weights stay on disk; only the norms' weights are read). Capped by --max-memory,
-    which the worker cannot pass anyway."""
+    it named after it (external weights stay on disk; only the norms' weights are read), counted by the disk they
+    take (a sparse file's holes hold nothing to read). Capped by --max-memory, which the worker cannot pass anyway."""
     try:
         size = path.stat().st_size
-        data = sum(p.stat().st_size for p in path.parent.glob(path.stem + "*")
-                   if p != path and p.is_file() and p.suffix != ".onnx")
+        data = sum(min(st.st_size, st.st_blocks * 512) for p in path.parent.glob(path.stem + "*")
+                   if p != path and p.is_file() and p.suffix != ".onnx" and (st := p.stat()))
     except OSError:
         size = data = 0
     need = WORKER_BASE + 2 * size + data // 10

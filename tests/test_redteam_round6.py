@@ -1,0 +1,155 @@
+"""Red team, round 6: the many-models run's files (the ledger, explicit inputs, what a resume trusts) and sparse
+data files (where the system's answers about holes are wrong, or a file is far larger than the tensor it holds).
+Each case was a break: a resume that kept an output for other weights, a ledger written outside the output folder
+or blocking on a FIFO, an input replaced by another model's output, a copy that never ended, a model refused for
+the size of a file it reads 1 KB of."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from zoomodels import external_model
+
+
+def _lnfuse(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lnfuse.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def _outputs(model: Path) -> np.ndarray:
+    feed = {"x": np.random.default_rng(0).standard_normal((2, 3, 256)).astype(np.float32)}
+    return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+
+
+def _one_line(proc: subprocess.CompletedProcess, says: str) -> None:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, proc.stderr
+
+
+def test_a_data_file_reached_through_a_link_is_the_link(tmp_path: Path):
+    """The ledger names a data file as the model does: pointing the link at other weights is a change, and the
+    rerun fuses the model again instead of keeping an output made from the old ones."""
+    folder = tmp_path / "m"
+    model = external_model(folder)
+    (folder / "ext.data").rename(folder / "v1.data")
+    weights = np.fromfile(folder / "v1.data", np.float32)
+    (weights * 3 + 1).tofile(folder / "v2.data")
+    (folder / "ext.data").symlink_to("v1.data")
+    out = tmp_path / "out"
+    assert _lnfuse(str(folder), "-o", str(out), "--jobs", "1").returncode == 0
+    (folder / "ext.data").unlink()
+    (folder / "ext.data").symlink_to("v2.data")
+    again = _lnfuse(str(folder), "-o", str(out), "--jobs", "1")
+    assert again.returncode == 0 and "taken from the ledger" not in again.stdout, again.stdout
+    np.testing.assert_allclose(_outputs(out / "ext.onnx"), _outputs(model), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("when", ["before the hash", "during the hash"])
+def test_weights_written_after_the_fuse_read_them_leave_no_identity(tmp_path: Path, monkeypatch, when: str):
+    """A data file written to after the fuse read it, before or while the ledger hashes it: the hash is not of what
+    was fused, so the row records no identity, and a rerun fuses the model again."""
+    from lnfuse.zoo import identity, job
+    from lnfuse.zoo.job import Job, run
+
+    model = external_model(tmp_path / "m")
+    data = tmp_path / "m" / "ext.data"
+
+    def write() -> None:  # a concurrent writer
+        with open(data, "r+b") as writer:
+            writer.write(np.float32(7).tobytes())
+
+    hook, name = (job, "_read_files") if when == "before the hash" else (identity, "_hash_data")
+    original = getattr(hook, name)
+    monkeypatch.setattr(hook, name, lambda *args: write() or original(*args))
+    row = run(Job(str(model), str(tmp_path / "out" / "ext.onnx"), "ext.onnx"))
+    assert row["status"] == "fused" and row["sha256"] is None and row["data_files"] is None, row
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_the_ledger_is_only_a_regular_file_of_its_own(tmp_path: Path, kind: str):
+    """A ledger path that is a FIFO (a read would block) or a link (rows would be appended wherever it points):
+    refused in one line, nothing written through it."""
+    folder = tmp_path / "m"
+    external_model(folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("mine\n")
+    if kind == "fifo":
+        os.mkfifo(out / "lnfuse-ledger.jsonl")
+    else:
+        (out / "lnfuse-ledger.jsonl").symlink_to(outside)
+    proc = _lnfuse(str(folder), "-o", str(out), "--jobs", "1")
+    _one_line(proc, "--ledger")
+    assert outside.read_text() == "mine\n"
+
+
+def test_a_model_named_inside_the_output_folder_is_refused(tmp_path: Path):
+    """Outputs mirror the inputs under -o: a model named there could be replaced by another model's output or
+    its data (a kept data file of the same name), and be fused from those."""
+    external_model(tmp_path / "m", "b.onnx")
+    inside = external_model(tmp_path / "o" / "m", "a.onnx")
+    before = (inside.parent / "ext.data").read_bytes()
+    proc = _lnfuse(str(tmp_path / "m" / "b.onnx"), str(inside), "-o", str(tmp_path / "o"), "--jobs", "1")
+    _one_line(proc, "inside the output folder")
+    assert (inside.parent / "ext.data").read_bytes() == before
+
+
+_BACKWARDS = """
+import os, sys
+seek = os.lseek
+def backwards(fd, position, how):
+    if how == os.SEEK_DATA:
+        return 0
+    if how == os.SEEK_HOLE:
+        return 4096
+    return seek(fd, position, how)
+os.lseek = backwards
+from lnfuse.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_filesystem_whose_hole_answers_go_backwards_still_copies(tmp_path: Path):
+    """SEEK_DATA answered with an offset before the one asked (a FUSE or NFS server's answer, passed through
+    unchecked): the kept data file is still copied whole, and the copy ends (in a process of its own, so that a
+    copy that loops fails the test instead of hanging it)."""
+    model = external_model(tmp_path / "m")
+    os.truncate(tmp_path / "m" / "ext.data", 64 << 10)
+    (tmp_path / "out").mkdir()
+    proc = subprocess.run([sys.executable, "-c", _BACKWARDS, str(model), "-o", str(tmp_path / "out" / "ext.onnx"),
+                           "-q"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "ext.data").read_bytes() == (tmp_path / "m" / "ext.data").read_bytes()
+
+
+_UNDER_ADDRESS_LIMIT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))
+from lnfuse.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_tensor_in_a_terabyte_file_maps_only_its_own_pages(tmp_path: Path):
+    """A 1 KB tensor at the start of a 1 TiB sparse data file, under an 8 GB address-space limit (a cluster's
+    h_vmem): only the tensor's pages are mapped, so the model fuses; the output keeps the file's holes."""
+    model = external_model(tmp_path / "m")
+    data = tmp_path / "m" / "ext.data"
+    os.truncate(data, 1 << 40)
+    with open(data, "rb") as file:
+        if os.lseek(file.fileno(), 0, os.SEEK_HOLE) >= 1 << 40:
+            pytest.skip("this filesystem does not keep holes")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _UNDER_ADDRESS_LIMIT, str(model), "-o", str(out / "ext.onnx"),
+                           "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["fused"], proc.stdout
+    assert (out / "ext.data").stat().st_size == 1 << 40 and (out / "ext.data").stat().st_blocks * 512 < 1 << 30
