@@ -6,6 +6,7 @@ the size of a file it reads 1 KB of."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from zoomodels import external_model
+
+from lnfuse.cli import main
 
 
 def _lnfuse(*args: str) -> subprocess.CompletedProcess:
@@ -153,3 +156,26 @@ def test_a_tensor_in_a_terabyte_file_maps_only_its_own_pages(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["fused"], proc.stdout
     assert (out / "ext.data").stat().st_size == 1 << 40 and (out / "ext.data").stat().st_blocks * 512 < 1 << 30
+
+
+def test_holes_the_filesystem_cannot_report_are_not_written_out(tmp_path: Path, monkeypatch):
+    """A filesystem without SEEK_DATA (NFSv3, some FUSE mounts) holding a sparse data file: the copy beside the
+    output skips what reads as zeros, as cp --sparse=auto does, instead of writing out a gigabyte of them."""
+    model = external_model(tmp_path / "m")
+    data = tmp_path / "m" / "ext.data"
+    os.truncate(data, 1 << 30)
+    if data.stat().st_blocks * 512 >= 1 << 30:
+        pytest.skip("this filesystem does not keep holes")
+    seek = os.lseek
+
+    def no_map(fd, position, how):
+        if how in (os.SEEK_DATA, os.SEEK_HOLE):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return seek(fd, position, how)
+
+    monkeypatch.setattr(os, "lseek", no_map)
+    (tmp_path / "out").mkdir()
+    assert main([str(model), "-o", str(tmp_path / "out" / "ext.onnx"), "-q"]) == 0
+    copied = tmp_path / "out" / "ext.data"
+    assert copied.stat().st_size == 1 << 30 and copied.stat().st_blocks * 512 < 64 << 20
+    np.testing.assert_allclose(_outputs(tmp_path / "out" / "ext.onnx"), _outputs(model), atol=1e-4, rtol=1e-4)

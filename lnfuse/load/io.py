@@ -771,13 +771,34 @@ def _copy_file(source: BinaryIO, target: BinaryIO, size: int) -> None:
     """The first ``size`` bytes of ``source`` into the empty, unbuffered ``target``, as ``cp`` copies: a hole stays a
     hole (``SEEK_DATA``: a sparse data file is not written out as gigabytes of zeros) and each run of data is copied
     by ``_copy_range`` (inside the kernel where it can)."""
+    # fewer blocks on disk than bytes: holes, maybe on a filesystem that cannot say where (ramfs, some FUSE and NFS
+    # mounts): what reads as zeros is skipped, as cp --sparse=auto does, rather than written out
+    sparse = os.fstat(source.fileno()).st_blocks * 512 < size
     for start, end in data_runs(source.fileno(), size):
-        target.seek(start)
-        _copy_range(source, target, start, end - start)
+        if sparse:
+            _copy_nonzero(source, target, start, end)
+        else:
+            target.seek(start)
+            _copy_range(source, target, start, end - start)
     if os.fstat(source.fileno()).st_size < size:  # a hole read past a new end is no hole: the file got shorter
         raise InputError("an external data file got shorter while lnfuse copied it; run lnfuse again on a folder "
                          "nothing else is changing")
     target.truncate(size)  # the holes at the end
+
+
+def _copy_nonzero(source: BinaryIO, target: BinaryIO, start: int, end: int) -> None:
+    """Bytes ``start`` to ``end`` of ``source`` into ``target`` at the same place, a MiB at a time, leaving out the
+    MiBs that are all zeros (holes in the target, which ``_copy_file`` sizes at the end)."""
+    zero = bytes(1 << 20)
+    while start < end:
+        chunk = os.pread(source.fileno(), min(1 << 20, end - start), start)
+        if not chunk:
+            break  # shorter than it was: ``_copy_file`` says so
+        if chunk != zero[:len(chunk)]:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.pwrite(target.fileno(), view, start + len(chunk) - len(view)):]
+        start += len(chunk)
 
 
 def _same_file(a: Path, b: Path) -> bool:
