@@ -98,10 +98,62 @@ def test_a_model_named_inside_the_output_folder_is_refused(tmp_path: Path):
     its data (a kept data file of the same name), and be fused from those."""
     external_model(tmp_path / "m", "b.onnx")
     inside = external_model(tmp_path / "o" / "m", "a.onnx")
-    before = (inside.parent / "ext.data").read_bytes()
+    before = (inside.parent / "ext.data").stat()
     proc = _lnfuse(str(tmp_path / "m" / "b.onnx"), str(inside), "-o", str(tmp_path / "o"), "--jobs", "1")
     _one_line(proc, "inside the output folder")
-    assert (inside.parent / "ext.data").read_bytes() == before
+    after = (inside.parent / "ext.data").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_a_link_in_the_output_folder_to_a_model_elsewhere_is_refused(tmp_path: Path):
+    """The model's data files are read beside the name given: a link inside -o to a model outside still reads its
+    data inside -o, where another model's kept data could replace it. Named, it is refused; found in a folder that
+    holds the output folder, it is skipped like the outputs."""
+    elsewhere = external_model(tmp_path / "elsewhere", "a.onnx")
+    out = tmp_path / "zoo" / "out"
+    (out / "m").mkdir(parents=True)
+    (out / "m" / "a.onnx").symlink_to(elsewhere)
+    external_model(tmp_path / "zoo" / "m", "b.onnx")
+    _one_line(_lnfuse(str(out / "m" / "a.onnx"), str(tmp_path / "zoo" / "m" / "b.onnx"), "-o", str(out)),
+              "inside the output folder")
+    (tmp_path / "zoo" / "c.onnx").symlink_to(out / "m" / "a.onnx")  # a link from the inputs into the outputs
+    proc = _lnfuse(str(tmp_path / "zoo"), "-o", str(out), "--jobs", "1")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (out / "lnfuse-ledger.jsonl").read_text().splitlines()]
+    assert [row["model"] for row in rows] == ["m/b.onnx"], rows
+
+
+def test_a_row_of_the_earlier_identity_is_not_trusted(tmp_path: Path):
+    """Rows written before data files were named as the model names them may name a link's old target: a rerun
+    fuses their models again rather than trusting them."""
+    folder = tmp_path / "m"
+    external_model(folder)
+    out = tmp_path / "out"
+    assert _lnfuse(str(folder), "-o", str(out), "--jobs", "1").returncode == 0
+    ledger = out / "lnfuse-ledger.jsonl"
+    row = json.loads(ledger.read_text())
+    del row["identity"]
+    ledger.write_text(json.dumps(row) + "\n")
+    again = _lnfuse(str(folder), "-o", str(out), "--jobs", "1")
+    assert again.returncode == 0 and "taken from the ledger" not in again.stdout, again.stdout
+
+
+def test_a_model_file_written_between_its_hash_and_its_parse_leaves_no_identity(tmp_path: Path, monkeypatch):
+    """The model file is hashed before it is parsed: one written to in between (even written back) leaves its row
+    with no identity, so a rerun fuses it again rather than trusting a hash of other bytes."""
+    import lnfuse.api
+    from lnfuse.zoo.job import Job, run
+
+    model = external_model(tmp_path / "m")
+    fuse = lnfuse.api.fuse
+
+    def rewritten(*args, **kwargs):
+        model.write_bytes(model.read_bytes())
+        return fuse(*args, **kwargs)
+
+    monkeypatch.setattr(lnfuse.api, "fuse", rewritten)
+    row = run(Job(str(model), str(tmp_path / "out" / "ext.onnx"), "ext.onnx"))
+    assert row["status"] == "fused" and row["sha256"] is None, row
 
 
 _BACKWARDS = """
@@ -179,3 +231,22 @@ def test_holes_the_filesystem_cannot_report_are_not_written_out(tmp_path: Path, 
     copied = tmp_path / "out" / "ext.data"
     assert copied.stat().st_size == 1 << 30 and copied.stat().st_blocks * 512 < 64 << 20
     np.testing.assert_allclose(_outputs(tmp_path / "out" / "ext.onnx"), _outputs(model), atol=1e-4, rtol=1e-4)
+
+
+def test_a_failure_over_files_that_changed_meanwhile_leaves_no_identity(tmp_path: Path, monkeypatch):
+    """A fuse that failed while a data file was being written (truncated, then completed): the files as they are
+    after the failure are not what failed, so the failure's row records no identity and a rerun tries again."""
+    import lnfuse.api
+    from lnfuse.errors import InputError
+    from lnfuse.zoo.job import Job, run
+
+    model = external_model(tmp_path / "m")
+    data = tmp_path / "m" / "ext.data"
+
+    def fails_mid_write(*args, **kwargs):
+        data.write_bytes(data.read_bytes())  # what a copy into place does while the fuse reads
+        raise InputError(f"{model}: external data 'ext.data' is shorter than its tensors")
+
+    monkeypatch.setattr(lnfuse.api, "fuse", fails_mid_write)
+    row = run(Job(str(model), str(tmp_path / "out" / "ext.onnx"), "ext.onnx"))
+    assert row["status"] == "bad input" and row["sha256"] is None, row

@@ -260,6 +260,7 @@ class GatedTensor(ir.ExternalTensor):
     def tobytes(self) -> bytes:
         """The tensor's bytes (onnx_ir's would index the map by the file offset: only the tensor's pages are
         mapped)."""
+        self._check_validity()
         if self.raw is None:
             self._load()
         return bytes(self.raw[self._start:self._start + (self.length or self.nbytes)])

@@ -27,7 +27,7 @@ from lnfuse.save.staging import Staging
 from lnfuse.load.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.load.repair import declare_output_shapes, repair
-from lnfuse.load.sparse import data_runs
+from lnfuse.load.sparse import data_runs, holes_told
 from lnfuse.index.demand import PendingShapes, infer_shapes_deferred
 from lnfuse.index.shapes import TypesDisagree, infer_function_types, infer_shapes, type_error
 from lnfuse.index.traversal import every_node, every_proto_node, subgraphs
@@ -771,11 +771,11 @@ def _copy_file(source: BinaryIO, target: BinaryIO, size: int) -> None:
     """The first ``size`` bytes of ``source`` into the empty, unbuffered ``target``, as ``cp`` copies: a hole stays a
     hole (``SEEK_DATA``: a sparse data file is not written out as gigabytes of zeros) and each run of data is copied
     by ``_copy_range`` (inside the kernel where it can)."""
-    # fewer blocks on disk than bytes: holes, maybe on a filesystem that cannot say where (ramfs, some FUSE and NFS
-    # mounts): what reads as zeros is skipped, as cp --sparse=auto does, rather than written out
-    sparse = os.fstat(source.fileno()).st_blocks * 512 < size
+    # fewer blocks on disk than bytes on a filesystem that cannot say where its holes are (some FUSE and NFS mounts):
+    # what reads as zeros is skipped, as cp --sparse=auto does, rather than written out
+    unmapped = os.fstat(source.fileno()).st_blocks * 512 < size and not holes_told(source.fileno())
     for start, end in data_runs(source.fileno(), size):
-        if sparse:
+        if unmapped:
             _copy_nonzero(source, target, start, end)
         else:
             target.seek(start)

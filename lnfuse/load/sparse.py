@@ -29,3 +29,12 @@ def data_runs(fd: int, size: int) -> Iterator[tuple[int, int]]:
         end = min(end, size)
         yield start, end
         offset = end
+
+
+def holes_told(fd: int) -> bool:
+    """Whether the system and filesystem say where ``fd``'s holes are (``SEEK_HOLE`` works)."""
+    try:
+        os.lseek(fd, 0, os.SEEK_HOLE)
+    except (AttributeError, OSError):
+        return False
+    return True

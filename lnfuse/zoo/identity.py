@@ -27,6 +27,9 @@ from pathlib import Path
 from lnfuse.errors import InputError, LnfuseError
 from lnfuse.load.sparse import data_runs
 
+#: the form of the identity a row records (data files named as the model names them, content digest by blocks): a
+#: row of another form is not trusted, its model runs again
+IDENTITY = 2
 #: the stat fields of a file's key; see the module's docstring for why not st_dev
 _KEY = ("st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
 _CHUNK = 1 << 20  # reads of a model file
@@ -57,9 +60,9 @@ class ModelIdentity:
 
     def complete(self, data_files: list[str] | None, admitted: dict[str, list[int]] | None = None) -> dict:
         """The row's identity fields: the hash of the model and of ``data_files`` (relative to its folder), read
-        through the folder's gate. Unknown (None) when the data files are not known, one is no longer admitted, or
-        one is not the file ``admitted`` says the fuse read (its stat key then): such a row is never taken as
-        finished by a rerun, which fuses the model again."""
+        through the folder's gate. Unknown (None) when the data files are not known, one is no longer admitted, one
+        is not the file ``admitted`` says the fuse read (its stat key then), or the model file was written to since
+        it was hashed: such a row is never taken as finished by a rerun, which fuses the model again."""
         if data_files is None:
             return self.early()
         try:
@@ -68,6 +71,11 @@ class ModelIdentity:
             return self.early()
         if admitted is not None and any(admitted.get(name) != key for name, *key in keys[1:]):
             return self.early()  # written to between the fuse's read and this hash: the hash is not what was fused
+        try:
+            if stat_key(os.stat(self.path)) != self.key:
+                return self.early()  # the model file was written to since it was hashed: maybe before it was read
+        except OSError:
+            return self.early()
         return {"sha256": digest, "data_files": list(data_files), "stat": keys,
                 "bytes_in": sum(key[2] for key in keys)}
 

@@ -41,14 +41,14 @@ def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude
             found += [(model, path) for model in _walk(path, skipped)]
         elif not path.exists() and glob.has_magic(entry):
             matches = [Path(os.path.abspath(m)) for m in sorted(glob.glob(entry, recursive=True))]
-            matches = [m for m in matches if m.is_file() and not _under(_real(m), skipped) and _STAGING not in str(m)]
+            matches = [m for m in matches if m.is_file() and not _in_output(m, skipped) and _STAGING not in str(m)]
             if not matches:
                 raise UsageError(f"{entry}: no file matches; check the pattern (quote it so the shell does not "
                                  "expand it first)")
             root = Path(os.path.abspath(_fixed_prefix(entry)))
             found += [(m, root) for m in matches]
         else:
-            if _under(_real(path), skipped):
+            if _in_output(path, skipped):
                 raise UsageError(f"{entry}: is inside the output folder {output}, where the outputs could replace it "
                                  "or its data; choose another -o, or --in-place to rewrite the models where they are")
             found.append((path, path.parent))
@@ -80,12 +80,19 @@ def _walk(folder: Path, output: Path | None) -> list[Path]:
         folders[:] = sorted(f for f in folders if not f.endswith(_STAGING) and not _under(_real(here / f), output))
         # a link found in the folder is the folder's, not the user's: followed only where it stays inside it
         models += [here / f for f in sorted(files) if f.endswith(".onnx") and (here / f).is_file()
-                   and (not (here / f).is_symlink() or trust.inside(os.path.realpath(here / f), root))]
+                   and (not (here / f).is_symlink() or trust.inside(os.path.realpath(here / f), root))
+                   and not _in_output(here / f, output)]
     return models
 
 
 def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
+
+
+def _in_output(model: Path, output: Path | None) -> bool:
+    """Whether a model file, or the folder its data files are read from (beside the name given, which may be a
+    link), lies in the output folder: outputs and their kept data could replace it."""
+    return _under(_real(model), output) or _under(_real(model.parent), output)
 
 
 def _under(path: Path, folder: Path | None) -> bool:

@@ -14,7 +14,7 @@ from typing import Callable
 
 from lnfuse.errors import LnfuseError, UsageError, first_line, one_line, out_of_memory
 from lnfuse.version import version_line
-from lnfuse.zoo.identity import ModelIdentity, of_model
+from lnfuse.zoo.identity import IDENTITY, ModelIdentity, of_model
 
 #: exit codes, the worst of which is the run's (as ``lnfuse check``: 1 means a candidate was left)
 OK, LEFT, BAD, INTERNAL = 0, 1, 2, 3
@@ -41,7 +41,7 @@ class Job:
         """A ledger row for this model; ``fields`` say how it went."""
         base = {"model": self.relative, "input": self.source, "output": None, "status": "", "exit": INTERNAL,
                 "reason": "", "fused": {}, "refused": 0, "seconds": 0.0, "bytes_in": 0, "bytes_out": 0,
-                "sha256": None, "data_files": None, "stat": None, "lnfuse": version_line(),
+                "sha256": None, "data_files": None, "stat": None, "identity": IDENTITY, "lnfuse": version_line(),
                 "options": self.key_options()}
         base.update(fields)
         return base
@@ -57,7 +57,7 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
     is known before the fusing starts (the model file's hash and stat key), for the row of a model whose worker is
     then stopped. With ``job.resume`` (a previous row whose files' stat keys changed), a model whose bytes are
     those of that row is not fused again: its row says ``unchanged``, with the new stat keys."""
-    start = time.perf_counter()
+    start, began = time.perf_counter(), time.time_ns()
     fields: dict = {}
     model, done = None, False
     try:
@@ -84,8 +84,17 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
         # the fuse failed before its load said which data files it read: a listing of its own (a parse on the
         # failure path only), so that a rerun can tell whether the failure still holds. A fuse that finished
         # keeps the identity it found, unknown included (a file written to after the fuse read it)
-        fields.update(model.complete(listed_files(Path(job.source))))
+        fields.update(_after_failure(model, Path(job.source), began))
     return job.row(seconds=round(time.perf_counter() - start, 3), **fields)
+
+
+def _after_failure(model: ModelIdentity, source: Path, began: int) -> dict:
+    """The identity of a model whose fuse failed, listed and hashed now; unknown if one of its files changed since
+    ``began`` (ns; its ctime, a second of slack for the kernel's coarse clock): the failure may be of other bytes."""
+    fields = model.complete(listed_files(source))
+    if fields.get("sha256") and any(key[4] >= began - 10**9 for key in fields["stat"]):
+        return model.early()
+    return fields
 
 
 def identify(job: Job) -> dict:

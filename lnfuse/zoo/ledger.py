@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 
 from lnfuse.errors import UsageError
-from lnfuse.zoo.identity import unchanged
+from lnfuse.zoo.identity import IDENTITY, unchanged
 from lnfuse.zoo.job import Job
 
 #: failures that depend on the limits: a rerun with other limits tries the model again
@@ -56,7 +56,8 @@ class Ledger:
         version, other options, another or a missing output, a failure of the run (``worker died``), a failure
         the limits decide under other limits, or a row whose content is not known."""
         row = self.rows.get(job.source)
-        if row is None or row.get("lnfuse") != version or row.get("options") != job.key_options():
+        if row is None or row.get("lnfuse") != version or row.get("options") != job.key_options() or \
+                row.get("identity") != IDENTITY:
             return None, False
         if row.get("status") in RETRIED or (row.get("status") in LIMITED and row.get("limits") != limits):
             return None, False
@@ -85,7 +86,7 @@ class Ledger:
         """The ledger file itself: never through a link (rows would land outside the output folder), never a FIFO
         or device (a read would block, a write go elsewhere)."""
         try:
-            fd = os.open(self.path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
         except OSError as error:
             if error.errno == errno.ELOOP:
                 raise UsageError(f"--ledger {self.path}: is a link; give the ledger's own path, or remove the link")\
