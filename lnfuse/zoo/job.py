@@ -59,7 +59,7 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
     those of that row is not fused again: its row says ``unchanged``, with the new stat keys."""
     start, began = time.perf_counter(), time.time_ns()
     fields: dict = {}
-    model, done = None, False
+    model, completed = None, False
     try:
         model = of_model(Path(job.source))  # the model's bytes, hashed before anything parses them
         fields = model.early()
@@ -68,7 +68,7 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
         if hashed is not None:
             hashed(dict(fields))
         fields.update(_fuse(job, model))
-        done = True
+        completed = True
     except LnfuseError as error:
         fields.update(status="bad input", exit=error.exit_code, reason=str(error))
     except MemoryError:
@@ -80,7 +80,7 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
         else:
             fields.update(status="internal error", exit=INTERNAL,
                           reason=f"{type(error).__name__}: {text}; please report it with the model")
-    if model is not None and not done and fields.get("sha256") is None:
+    if model is not None and not completed and fields.get("sha256") is None:
         # the fuse failed before its load said which data files it read: a listing of its own (a parse on the
         # failure path only), so that a rerun can tell whether the failure still holds. A fuse that finished
         # keeps the identity it found, unknown included (a file written to after the fuse read it)
