@@ -191,7 +191,8 @@ def run_local(jobs: list[Job], workers: int, timeout: float | None, max_memory: 
     budget = int(available_memory() * 0.9)
     idle: list[Slot] = []
     busy: list[Slot] = []
-    def fill() -> None:
+    def fill() -> list[Job]:
+        begun = []
         with _interrupts_deferred():  # a Ctrl-C here would leave a worker the cleanup below does not know
             while pending and len(busy) < workers:
                 job = _admit(pending, budget - sum(s.job.estimate for s in busy), not busy)
@@ -200,20 +201,23 @@ def run_local(jobs: list[Job], workers: int, timeout: float | None, max_memory: 
                 slot = idle.pop() if idle else Slot(context, timeout, max_memory)
                 slot.start(job)
                 busy.append(slot)
-                started(job)
+                begun.append(job)
+        return begun
 
     try:
-        fill()
+        begun = fill()
         while busy:
+            for job in begun:
+                started(job)
             _wait(busy)
-            done = []
+            done, begun = [], []
             try:
                 for slot in list(busy):
                     if (row := slot.poll()) is not None:
                         busy.remove(slot)
                         idle.append(slot)
                         done.append(row)
-                fill()  # the workers go on while the rows are written
+                begun = fill()  # the workers go on while the rows are written
             finally:  # a Ctrl-C meanwhile still keeps what finished
                 for row in done:
                     finished(row)
