@@ -250,3 +250,80 @@ def test_a_failure_over_files_that_changed_meanwhile_leaves_no_identity(tmp_path
     monkeypatch.setattr(lnfuse.api, "fuse", fails_mid_write)
     row = run(Job(str(model), str(tmp_path / "out" / "ext.onnx"), "ext.onnx"))
     assert row["status"] == "bad input" and row["sha256"] is None, row
+
+
+def test_a_kept_data_file_never_lands_on_a_model_output_or_the_ledger(tmp_path: Path):
+    """A model whose data file is named like another input model (its copy would replace that model's output) or
+    like the ledger (every row lost): refused as bad input; the other model and the ledger are as they should be."""
+    from zoomodels import layer_norm_chain
+
+    import onnx
+
+    zoo = tmp_path / "zoo"
+    layer_norm_chain(zoo / "y.onnx", 2, hidden=256)
+    external_model(zoo, "x.onnx", "x.data")
+    x = onnx.load(zoo / "x.onnx", load_external_data=False)
+    for tensor in x.graph.initializer:  # its weights read from the bytes of y.onnx
+        for entry in tensor.external_data:
+            entry.value = {"location": "y.onnx", "offset": "0"}.get(entry.key, entry.value)
+    onnx.save(x, zoo / "x.onnx")
+    (zoo / "x.data").unlink()
+    external_model(zoo, "z.onnx", "lnfuse-ledger.jsonl")
+    out = tmp_path / "out"
+    proc = _lnfuse(str(zoo), "-o", str(out), "--jobs", "1", "--json")
+    rows = {row["model"]: row for row in json.loads(proc.stdout)["models"]}
+    assert rows["z.onnx"]["status"] == "bad input" and "the ledger" in rows["z.onnx"]["reason"], rows["z.onnx"]
+    assert rows["x.onnx"]["status"] == "bad input" and "a model output" in rows["x.onnx"]["reason"], rows["x.onnx"]
+    assert rows["y.onnx"]["status"] == "fused"
+    assert (out / "y.onnx").read_bytes() != (zoo / "y.onnx").read_bytes(), "y's output is y fused, not x's data"
+    ledger = [json.loads(line) for line in (out / "lnfuse-ledger.jsonl").read_text().splitlines()]
+    assert sorted(row["model"] for row in ledger) == ["x.onnx", "y.onnx", "z.onnx"]
+
+
+def test_outputs_that_are_the_ledger_or_each_other_are_refused(tmp_path: Path):
+    """A model named like the ledger would be written over it: refused in one line before anything runs."""
+    external_model(tmp_path / "zoo")
+    (tmp_path / "zoo" / "ext.onnx").rename(tmp_path / "zoo" / "lnfuse-ledger.jsonl")
+    _one_line(_lnfuse(str(tmp_path / "zoo" / "lnfuse-ledger.jsonl"), str(tmp_path / "zoo" / "lnfuse-ledger.jsonl"),
+                      "-o", str(tmp_path / "out")), "the ledger")
+
+
+def test_a_link_in_the_output_folder_does_not_take_the_writes_out(tmp_path: Path):
+    """The output tree mirrors the inputs; a link already there, to a folder elsewhere, is not written through."""
+    external_model(tmp_path / "zoo" / "sub")
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "sub").symlink_to(elsewhere)
+    proc = _lnfuse(str(tmp_path / "zoo"), "-o", str(out), "--jobs", "1")
+    assert proc.returncode == 2 and "leads out of it" in proc.stdout + proc.stderr, proc.stdout
+    assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "nul"])
+def test_a_list_of_models_is_a_regular_text_file(tmp_path: Path, kind: str):
+    """--from-list naming a FIFO (a read blocks), a device (a read never ends) or a file with a NUL byte: one line,
+    exit 2, nothing run."""
+    external_model(tmp_path / "m")
+    listed = tmp_path / "list.txt"
+    if kind == "fifo":
+        os.mkfifo(listed)
+    elif kind == "device":
+        listed = Path("/dev/zero")
+    else:
+        listed.write_bytes(str(tmp_path / "m" / "ext.onnx").encode() + b"\0\n")
+    _one_line(_lnfuse(str(tmp_path / "m"), "--from-list", str(listed), "-o", str(tmp_path / "out")), "--from-list")
+
+
+def test_a_ledger_row_of_the_wrong_shape_is_ignored(tmp_path: Path):
+    """A hand-edited row (an exit code that is a string, a count that is not a number): not trusted, and its
+    model runs again; never an internal error or a wrong exit code."""
+    external_model(tmp_path / "m")
+    out = tmp_path / "out"
+    assert _lnfuse(str(tmp_path / "m"), "-o", str(out), "--jobs", "1").returncode == 0
+    ledger = out / "lnfuse-ledger.jsonl"
+    row = json.loads(ledger.read_text())
+    for forged in ({"exit": "0"}, {"exit": 7}, {"fused": 5}):
+        ledger.write_text(json.dumps({**row, **forged}) + "\n")
+        again = _lnfuse(str(tmp_path / "m"), "-o", str(out), "--jobs", "1")
+        assert again.returncode == 0 and "taken from the ledger" not in again.stdout, (forged, again.stderr)

@@ -41,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
                 os.path.abspath(args.inputs) if args.inputs else None,
                 str(report_folder / f"{m.relative}.json") if report_folder is not None else None,
                 estimate(m.path, args.max_memory)) for m in models]
-    ledger = Ledger(Path(args.ledger) if args.ledger else output / LEDGER_NAME)
+    ledger_path = Path(os.path.abspath(args.ledger)) if args.ledger else output / LEDGER_NAME
+    _no_collision(jobs, ledger_path)
+    jobs = [dataclasses.replace(job, ledger=str(ledger_path)) for job in jobs]
+    ledger = Ledger(ledger_path)
     limits = {"timeout": args.timeout, "max_memory": args.max_memory}
     version = version_line()
     rows: dict[str, dict] = {}
@@ -94,6 +97,18 @@ def run(args: argparse.Namespace) -> int:
         print(closing_table(ordered, wall=time.monotonic() - start, resumed=resumed, verbose=args.verbose))
         print(f"wrote {output}/ (ledger {ledger.path})")
     return code
+
+
+def _no_collision(jobs: list[Job], ledger: Path) -> None:
+    """No file the run writes is written twice: an output or report that is the ledger, or another model's."""
+    written: dict[str, str] = {os.path.realpath(ledger): "the ledger"}
+    for job in jobs:
+        for path in filter(None, (job.output, job.report)):
+            key = os.path.realpath(path)
+            if key in written:
+                raise UsageError(f"{job.source}: its output {path} would be {written[key]} too; rename the model, or "
+                                 "give another -o, --report or --ledger")
+            written[key] = f"the output of {job.source}"
 
 
 def _cores() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,13 +65,26 @@ def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude
     return models
 
 
+#: a list of paths longer than this is not a list of models
+_LIST_BYTES = 64 << 20
+
+
 def _listed(from_list: str) -> list[str]:
+    """The paths a list file names: a regular file (a FIFO would block, a device never end), of text, no NUL."""
+    said = f"--from-list {from_list}"
     try:
-        lines = Path(from_list).read_text().splitlines()
+        fd = os.open(from_list, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as stream:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UsageError(f"{said}: not a regular file; give a text file, one path a line")
+            data = stream.read(_LIST_BYTES + 1)
+        text = data.decode()
     except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"--from-list {from_list}: cannot read it ({error}); give a text file, one path a line")\
-            from None
-    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        raise UsageError(f"{said}: cannot read it ({error}); give a text file, one path a line") from None
+    if len(data) > _LIST_BYTES or "\0" in text:
+        raise UsageError(f"{said}: not a list of paths (over {_LIST_BYTES >> 20} MiB, or a NUL byte); give a text "
+                         "file, one path a line")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
 def _walk(folder: Path, output: Path | None) -> list[Path]:

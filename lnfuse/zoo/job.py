@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from lnfuse.errors import LnfuseError, UsageError, first_line, one_line, out_of_memory
+from lnfuse.load import trust
+from lnfuse.errors import InputError, LnfuseError, OutputError, UsageError, first_line, one_line, out_of_memory
 from lnfuse.version import version_line
 from lnfuse.zoo.identity import IDENTITY, ModelIdentity, of_model
 
@@ -36,6 +37,7 @@ class Job:
     report: str | None = None  # where this model's JSON report goes, if asked for
     estimate: int = 0  # bytes of memory it is expected to need (admission, Ray's memory resource)
     resume: dict | None = None  # a previous row's sha256 and data_files, to compare before fusing (see ledger)
+    ledger: str | None = None  # the run's ledger, which no file of this model's may replace
 
     def row(self, **fields) -> dict:
         """A ledger row for this model; ``fields`` say how it went."""
@@ -118,6 +120,7 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
     """The row's fields for the fused model, its identity included: the data files its load read are hashed before
     anything is written, so that a model stopped while hashing (past --timeout) has no output."""
     from lnfuse.api import fuse  # in the workers, imported once before the first model (see local.py)
+    from lnfuse.load.io import DATA_LOCATIONS
 
     inputs = _inputs(job.inputs)
     result = fuse(job.source, inputs=inputs, **job.options)
@@ -136,6 +139,7 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
     if report.model_check is not None and not report.model_check["ok"]:
         return done | {"status": "differs", "exit": LEFT, "reason": f"the fused model differs from the original "
                        f"({report.model_check['summary']}); nothing was written, please report this model"}
+    _writes_confined(job, list(result.ir_model.meta.get(DATA_LOCATIONS, {})))
     for path in (job.output, job.report):
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -149,6 +153,26 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
                        "reason": one_line(f"{len(report.unfused)} left, first {first.anchor} [{first.rule}/"
                                           f"{first.check}] {first.reason}")[:300]}
     return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}
+
+
+def _writes_confined(job: Job, data_files: list[str]) -> None:
+    """What this model writes stays its own: its output and report in the folders the user named (a link placed in
+    them, where the input tree is mirrored, would take the writes elsewhere), and the data files kept beside the
+    output never land on the ledger or on a model's output (a data file named like a model)."""
+    depth = len(Path(job.relative).parts)
+    for path in filter(None, (None if job.in_place else job.output, job.report)):
+        root = os.path.realpath(Path(path).parents[depth - 1])
+        if not trust.inside(os.path.realpath(Path(path).parent), root):
+            raise OutputError(f"{path}: a link inside {root} leads out of it; remove the link")
+    if job.external_data != "keep" or job.in_place:
+        return
+    ledger = os.path.realpath(job.ledger) if job.ledger else None
+    for name in data_files:
+        landing = Path(job.output).parent / name
+        if landing.suffix == ".onnx" or os.path.realpath(landing) == ledger:
+            raise InputError(f"{job.source}: its data file {name!r}, kept beside the output, would replace "
+                             f"{'the ledger' if os.path.realpath(landing) == ledger else 'a model output'}; "
+                             "rename the data file (and the model's reference to it)")
 
 
 def _read_files(model, path: Path) -> tuple[list[str] | None, dict[str, list[int]] | None]:

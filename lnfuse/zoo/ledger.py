@@ -20,6 +20,18 @@ LIMITED = ("timeout", "over memory")
 RETRIED = ("worker died",)
 
 
+#: the fields a row must have, with their types, to be read: a row of another shape (hand-edited, of another
+#: version) is ignored and its model runs again
+_FIELDS = {"input": str, "model": str, "status": str, "exit": int, "reason": str, "fused": dict, "refused": int,
+           "seconds": (int, float), "bytes_in": int, "bytes_out": int}
+
+
+def _valid(row) -> bool:
+    return isinstance(row, dict) and all(isinstance(row.get(k), t) and not isinstance(row.get(k), bool)
+                                         for k, t in _FIELDS.items()) \
+        and row["exit"] in (0, 1, 2, 3) and all(isinstance(v, int) for v in row["fused"].values())
+
+
 class Ledger:
     def __init__(self, path: Path):
         self.path = path
@@ -44,7 +56,7 @@ class Ledger:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(row, dict) and isinstance(row.get("input"), str):
+            if _valid(row):
                 rows[row["input"]] = row
         return rows
 
