@@ -255,9 +255,8 @@ def test_a_failure_over_files_that_changed_meanwhile_leaves_no_identity(tmp_path
 def test_a_kept_data_file_never_lands_on_a_model_output_or_the_ledger(tmp_path: Path):
     """A model whose data file is named like another input model (its copy would replace that model's output) or
     like the ledger (every row lost): refused as bad input; the other model and the ledger are as they should be."""
-    from zoomodels import layer_norm_chain
-
     import onnx
+    from zoomodels import layer_norm_chain
 
     zoo = tmp_path / "zoo"
     layer_norm_chain(zoo / "y.onnx", 2, hidden=256)
