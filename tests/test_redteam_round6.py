@@ -326,3 +326,20 @@ def test_a_ledger_row_of_the_wrong_shape_is_ignored(tmp_path: Path):
         ledger.write_text(json.dumps({**row, **forged}) + "\n")
         again = _lnfuse(str(tmp_path / "m"), "-o", str(out), "--jobs", "1")
         assert again.returncode == 0 and "taken from the ledger" not in again.stdout, (forged, again.stderr)
+
+
+def test_a_dotdot_after_a_link_is_the_kernel_s(tmp_path: Path):
+    """``zoo/lnk/../m.onnx`` with ``lnk`` a link to ``other/dir`` is ``other/m.onnx`` to the kernel and to a single
+    run: the many-model run fuses that file, named or globbed, not the ``m.onnx`` beside the link."""
+    from zoomodels import layer_norm_chain
+
+    layer_norm_chain(tmp_path / "zoo" / "m.onnx", 1)
+    layer_norm_chain(tmp_path / "other" / "m.onnx", 3)
+    (tmp_path / "other" / "dir").mkdir()
+    (tmp_path / "zoo" / "lnk").symlink_to(tmp_path / "other" / "dir")
+    for entry, out in ((str(tmp_path / "zoo" / "lnk" / ".." / "m.onnx"), tmp_path / "named"),
+                       (str(tmp_path / "zoo" / "lnk" / ".." / "*.onnx"), tmp_path / "globbed")):
+        proc = _lnfuse(entry, "-o", str(out), "--jobs", "1", "--json")
+        assert proc.returncode == 0, proc.stderr
+        [row] = json.loads(proc.stdout)["models"]
+        assert row["input"] == str(tmp_path / "other" / "m.onnx") and row["fused"] == {"LayerNormalization": 3}, row

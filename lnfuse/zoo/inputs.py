@@ -37,16 +37,16 @@ def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude
     skipped = Path(os.path.realpath(output)) if exclude else None
     found: list[tuple[Path, Path]] = []  # (model, the folder its argument is rooted at)
     for entry in entries:
-        path = Path(os.path.abspath(entry))
+        path = _absolute(entry)
         if path.is_dir():
             found += [(model, path) for model in _walk(path, skipped)]
         elif not path.exists() and glob.has_magic(entry):
-            matches = [Path(os.path.abspath(m)) for m in sorted(glob.glob(entry, recursive=True))]
+            matches = [_absolute(m) for m in sorted(glob.glob(entry, recursive=True))]
             matches = [m for m in matches if m.is_file() and not _in_output(m, skipped) and _STAGING not in str(m)]
             if not matches:
                 raise UsageError(f"{entry}: no file matches; check the pattern (quote it so the shell does not "
                                  "expand it first)")
-            root = Path(os.path.abspath(_fixed_prefix(entry)))
+            root = _absolute(_fixed_prefix(entry))
             found += [(m, root) for m in matches]
         else:
             if _in_output(path, skipped):
@@ -97,6 +97,16 @@ def _walk(folder: Path, output: Path | None) -> list[Path]:
                    and (not (here / f).is_symlink() or trust.inside(os.path.realpath(here / f), root))
                    and not _in_output(here / f, output)]
     return models
+
+
+def _absolute(entry: str) -> Path:
+    """``entry`` as an absolute path to the file the kernel opens: a ``..`` after a link leads out of the link's
+    target, not back beside the link, so such a path's folder is resolved rather than shortened as text."""
+    joined = os.path.join(os.getcwd(), entry)
+    if ".." not in Path(joined).parts:
+        return Path(os.path.normpath(joined))
+    head, tail = os.path.split(joined.rstrip(os.sep))
+    return Path(os.path.realpath(joined)) if tail in ("", "..") else Path(os.path.realpath(head)) / tail
 
 
 def _real(path: Path) -> Path:
