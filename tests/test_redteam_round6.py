@@ -343,3 +343,13 @@ def test_a_dotdot_after_a_link_is_the_kernel_s(tmp_path: Path):
         assert proc.returncode == 0, proc.stderr
         [row] = json.loads(proc.stdout)["models"]
         assert row["input"] == str(tmp_path / "other" / "m.onnx") and row["fused"] == {"LayerNormalization": 3}, row
+
+
+def test_a_model_name_with_control_characters_prints_on_one_line(tmp_path: Path):
+    """A file name holding a newline or an escape sequence: each progress line and table row stays one line."""
+    folder = tmp_path / "zoo"
+    external_model(folder)
+    (folder / "ext.onnx").rename(folder / "a\nb\x1b[2J.onnx")
+    proc = _lnfuse(str(folder), "-o", str(tmp_path / "out"), "--jobs", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b" not in proc.stdout + proc.stderr and "a\\nb\\x1b[2J.onnx" in proc.stderr, proc.stderr

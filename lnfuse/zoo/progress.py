@@ -7,6 +7,7 @@ import sys
 import time
 from typing import TextIO
 
+from lnfuse.errors import one_line
 from lnfuse.zoo.job import Job
 
 
@@ -39,7 +40,7 @@ class Progress:
         count = f"[{self.done:>{len(str(self.total))}}/{self.total}]"
         how = f"{row['seconds']:.2f} s"
         detail = ", ".join(f"{op} {n}" for op, n in row["fused"].items()) if row["exit"] < 2 else row["reason"]
-        print(f"{count} {row['status']:<15} {how:>15}  {row['model']}" + (f"  ({detail})" if detail else ""),
+        print(f"{count} {row['status']:<15} {how:>15}  {one_line(row['model'])}" + (f"  ({detail})" if detail else ""),
               file=self.stream, flush=True)
 
     def close(self) -> None:
@@ -55,7 +56,7 @@ class Progress:
         eta = "--:--" if not ran else _clock(elapsed / ran * (self.total - self.done))
         filled = round(24 * self.done / max(self.total, 1))
         self.stream.write(f"\r\033[K[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} done, "
-                          f"{self.failed} failed, {self.running} running, ETA {eta}  {label[-40:]}")
+                          f"{self.failed} failed, {self.running} running, ETA {eta}  {one_line(label)[-40:]}")
         self.stream.flush()
 
 

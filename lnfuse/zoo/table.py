@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from lnfuse.errors import one_line
 from lnfuse.zoo.job import OK
 from lnfuse.zoo.limits import size_text
 
@@ -37,10 +38,10 @@ def closing_table(rows: list[dict], *, wall: float, resumed: int = 0, verbose: b
     shown = [row for row in rows if verbose or row["exit"] != OK]
     if shown:
         shown.sort(key=lambda r: (-r["exit"], r["model"]))
-        width = min(max(len(r["model"]) for r in shown), 60)
+        width = min(max(len(one_line(r["model"])) for r in shown), 60)
         lines += ["", f"{'exit':<4} {'status':<15} {'seconds':>8}  {'model':<{width}}  reason"]
-        lines += [f"{r['exit']:<4} {r['status']:<15} {r['seconds']:>8.2f}  {r['model']:<{width}}  {r['reason']}"
-                  for r in shown]
+        lines += [f"{r['exit']:<4} {r['status']:<15} {r['seconds']:>8.2f}  {one_line(r['model']):<{width}}  "
+                  f"{r['reason']}" for r in shown]
     return "\n".join(lines)
 
 
