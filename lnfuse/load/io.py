@@ -27,7 +27,7 @@ from lnfuse.save.staging import Staging
 from lnfuse.load.weights import FileWeights, InlineWeight, SourceWeights, attach, split
 from lnfuse.errors import InputError, OutputError, first_line
 from lnfuse.load.repair import declare_output_shapes, repair
-from lnfuse.load.sparse import data_runs, holes_told
+from lnfuse.load.sparse import data_blocks, data_runs, holes_told
 from lnfuse.index.demand import PendingShapes, infer_shapes_deferred
 from lnfuse.index.shapes import TypesDisagree, infer_function_types, infer_shapes, type_error
 from lnfuse.index.traversal import every_node, every_proto_node, subgraphs
@@ -773,32 +773,18 @@ def _copy_file(source: BinaryIO, target: BinaryIO, size: int) -> None:
     by ``_copy_range`` (inside the kernel where it can)."""
     # fewer blocks on disk than bytes on a filesystem that cannot say where its holes are (some FUSE and NFS mounts):
     # what reads as zeros is skipped, as cp --sparse=auto does, rather than written out
-    unmapped = os.fstat(source.fileno()).st_blocks * 512 < size and not holes_told(source.fileno())
-    for start, end in data_runs(source.fileno(), size):
-        if unmapped:
-            _copy_nonzero(source, target, start, end)
-        else:
+    if os.fstat(source.fileno()).st_blocks * 512 < size and not holes_told(source.fileno()):
+        for index, chunk in data_blocks(source.fileno(), size, 1 << 20):
+            target.seek(index << 20)
+            _write_all(target, chunk)
+    else:
+        for start, end in data_runs(source.fileno(), size):
             target.seek(start)
             _copy_range(source, target, start, end - start)
     if os.fstat(source.fileno()).st_size < size:  # a hole read past a new end is no hole: the file got shorter
         raise InputError("an external data file got shorter while lnfuse copied it; run lnfuse again on a folder "
                          "nothing else is changing")
     target.truncate(size)  # the holes at the end
-
-
-def _copy_nonzero(source: BinaryIO, target: BinaryIO, start: int, end: int) -> None:
-    """Bytes ``start`` to ``end`` of ``source`` into ``target`` at the same place, a MiB at a time, leaving out the
-    MiBs that are all zeros (holes in the target, which ``_copy_file`` sizes at the end)."""
-    zero = bytes(1 << 20)
-    while start < end:
-        chunk = os.pread(source.fileno(), min(1 << 20, end - start), start)
-        if not chunk:
-            break  # shorter than it was: ``_copy_file`` says so
-        if chunk != zero[:len(chunk)]:
-            view = memoryview(chunk)
-            while view:
-                view = view[os.pwrite(target.fileno(), view, start + len(chunk) - len(view)):]
-        start += len(chunk)
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -7,6 +7,8 @@ import errno
 import os
 from typing import Iterator
 
+from lnfuse.errors import InputError
+
 
 def data_runs(fd: int, size: int) -> Iterator[tuple[int, int]]:
     """The (start, end) ranges of the first ``size`` bytes that may hold data, in order; everything between them is
@@ -38,3 +40,27 @@ def holes_told(fd: int) -> bool:
     except (AttributeError, OSError):
         return False
     return True
+
+
+def data_blocks(fd: int, size: int, block: int) -> Iterator[tuple[int, bytes]]:
+    """(index, bytes) of each ``block``-sized block of the first ``size`` bytes that holds a byte other than zero,
+    in order. Only blocks that hold data on disk (``data_runs``) are read; a file that got shorter meanwhile is an
+    ``InputError`` (what a hole read past a new end gives is no hole)."""
+    zero, unread = bytes(block), 0
+    for start, end in data_runs(fd, size):
+        last = (end - 1) // block
+        for index in range(max(unread, start // block), last + 1):
+            length = min(block, size - index * block)
+            chunk = os.pread(fd, length, index * block)
+            if len(chunk) < length:
+                raise _shorter()
+            if chunk != zero[:length]:
+                yield index, chunk
+        unread = max(unread, last + 1)
+    if os.fstat(fd).st_size < size:
+        raise _shorter()
+
+
+def _shorter() -> InputError:
+    return InputError("a data file got shorter while lnfuse read it; run lnfuse again on a folder nothing else is "
+                      "changing")

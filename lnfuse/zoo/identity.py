@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lnfuse.errors import InputError, LnfuseError
-from lnfuse.load.sparse import data_runs
+from lnfuse.load.sparse import data_blocks
 
 #: the form of the identity a row records (data files named as the model names them, content digest by blocks): a
 #: row of another form is not trusted, its model runs again
@@ -107,34 +107,15 @@ def _hash_data(digest: hashlib._Hash, fd: int, size: int) -> None:
     bytes, or ``Z`` and the count of a run of all-zero blocks (a run is always whole, so the encoding is one per
     content). Only the blocks that hold data on disk are read."""
     digest.update(size.to_bytes(8, "little"))
-    zero, zeros, block = bytes(_BLOCK), 0, 0  # a run of zero blocks waiting for its end; the next block unread
-    for start, end in data_runs(fd, size):
-        first, last = max(block, start // _BLOCK), (end - 1) // _BLOCK
-        zeros += first - block
-        for index in range(first, last + 1):
-            length = min(_BLOCK, size - index * _BLOCK)
-            chunk = os.pread(fd, length, index * _BLOCK)
-            if len(chunk) < length:
-                raise _shrunk()
-            if chunk == zero[:length]:
-                zeros += 1
-                continue
-            if zeros:
-                digest.update(b"Z" + zeros.to_bytes(8, "little"))
-                zeros = 0
-            digest.update(b"D")
-            digest.update(chunk)
-        block = max(block, last + 1)
-    if os.fstat(fd).st_size < size:  # cut between two runs of data: what was left out is no hole
-        raise _shrunk()
-    zeros += -(-size // _BLOCK) - block
-    if zeros:
-        digest.update(b"Z" + zeros.to_bytes(8, "little"))
-
-
-def _shrunk() -> InputError:
-    return InputError("a data file got shorter while lnfuse hashed it; run lnfuse again on a folder nothing else is "
-                      "changing")
+    following = 0  # the block after the last one written
+    for index, chunk in data_blocks(fd, size, _BLOCK):
+        if index > following:
+            digest.update(b"Z" + (index - following).to_bytes(8, "little"))
+        digest.update(b"D")
+        digest.update(chunk)
+        following = index + 1
+    if -(-size // _BLOCK) > following:
+        digest.update(b"Z" + (-(-size // _BLOCK) - following).to_bytes(8, "little"))
 
 
 def of_model(path: Path) -> ModelIdentity:
