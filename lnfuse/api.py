@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 from lnfuse.load import io
 from lnfuse.engine import Options, fuse_model, nodes_of, type_new_values
+from lnfuse.save import write
 from lnfuse.save.provenance import mark_model
 from lnfuse.errors import InputError, UsageError
 from lnfuse.report import Report
@@ -47,15 +48,17 @@ class FuseResult:
         return ir.serde.serialize_model(self.ir_model)
 
     def save(self, path: str | os.PathLike, *, in_place: bool = False, external_data: str = "keep",
-             report: str | os.PathLike | None = None) -> None:
-        """Write atomically. External weights stay external: ``"keep"`` references the input's data files
-        (copied unchanged beside the output if it goes to another folder), ``"single"`` writes ``<path>.data``.
-        ``report``: also write the report as JSON there, renamed into place with the model or not at all."""
-        if external_data not in io.EXTERNAL_LAYOUTS:
-            raise UsageError(f"unknown external data layout '{external_data}'; use {' or '.join(io.EXTERNAL_LAYOUTS)}")
-        io.save(self.ir_model, path, external_data=external_data if self.has_external_data else None,
-                input_path=self.source_path, in_place=in_place, source=self.source_weights,
-                report=(report, self.report.to_json()) if report is not None else None)
+             report: str | os.PathLike | None = None) -> list[Path]:
+        """Write atomically; returns the files written. External weights stay external: ``"keep"`` references the
+        input's data files when ``path`` is in the model's folder, and elsewhere copies the parts of them the model
+        reads into ``<path>.data``; ``"single"`` writes every weight into ``<path>.data``. No file is ever named by
+        the model. ``report``: also write the report as JSON there, renamed into place with the model or not at all."""
+        if external_data not in write.EXTERNAL_LAYOUTS:
+            raise UsageError(f"unknown external data layout '{external_data}'; use "
+                             f"{' or '.join(write.EXTERNAL_LAYOUTS)}")
+        return write.save(self.ir_model, path, external_data=external_data if self.has_external_data else None,
+                          input_path=self.source_path, in_place=in_place, source=self.source_weights,
+                          report=(report, self.report.to_json()) if report is not None else None)
 
 
 def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None = None) -> tuple[Rule, ...]:
@@ -118,7 +121,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
             stage(0.85, "running the whole original and fused models")
             report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
                                                 gate=loaded.gate)
-        io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+        write.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
         mark_model(loaded.model, report, {"target": target, "verify": verify, "only": sorted(only or []),
                                           "skip": sorted(skip or []), "upgrade_opset": upgrade_opset,
                                           "verify_model": verify_model, "quantize_embeddings": quantize_embeddings,

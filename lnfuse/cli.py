@@ -86,9 +86,9 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--inputs", metavar="FILE.npz", help="inputs for --verify model (default: random)")
         parser.add_argument("--in-place", action="store_true", help="allow the output to be the input file")
         parser.add_argument("--external-data", choices=("keep", "single"), default="keep",
-                            help="models with external weights: keep = reference the input's data files (in the "
-                                 "input's folder they are not even read; elsewhere they are copied unchanged; "
-                                 "default); single = write <output>.data")
+                            help="models with external weights: keep (default) = an output in the model's folder "
+                                 "references its data files, unread; elsewhere the bytes the model reads are copied "
+                                 "into <output>.data; single = every weight into <output>.data")
         parser.add_argument("--quantize-embeddings", choices=("uint8", "int8"),
                             help="write QEmbedLayerNormalization with per-tensor quantized tables (changes numbers; "
                                  "the report gives the worst difference to the float model)")

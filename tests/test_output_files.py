@@ -229,17 +229,16 @@ def test_an_output_that_is_an_existing_folder_says_so(sandbox: Path, capsys, opt
 
 
 def test_a_data_file_destination_that_is_a_fifo_is_refused(sandbox: Path, capsys):
-    """The data files written beside the model are held to the same rule: ``<out>.data`` (single) and a kept data
-    file copied to another folder."""
+    """The data file written beside the model is held to the same rule: ``<out>.data``, whether every weight goes
+    there (single) or the external ones are copied out of another folder (keep)."""
     model = sandbox / "model" / "ext.onnx"
     onnx.save(build(Spec(hidden=64)), model, save_as_external_data=True, location="w.data", size_threshold=0)
     os.mkfifo(sandbox / "out" / "o.onnx.data")
-    os.mkfifo(sandbox / "out" / "w.data")
     before = _tree(sandbox)
     code, err = _run(capsys, model, "-o", sandbox / "out" / "o.onnx", "--external-data", "single")
     _refused(code, err, "o.onnx.data", "FIFO")
     code, err = _run(capsys, model, "-o", sandbox / "out" / "o.onnx")
-    _refused(code, err, "w.data", "FIFO")
+    _refused(code, err, "o.onnx.data", "FIFO")
     assert _tree(sandbox) == before and not _staging_left(sandbox)
 
 
@@ -326,8 +325,8 @@ def test_in_place_through_a_data_link_to_the_model_file(tmp_path: Path, capsys):
 
 
 def test_a_new_model_named_like_the_data_file_it_would_copy(tmp_path: Path, capsys):
-    """To another folder under the input's name: the kept data file (the input model file) and the new model
-    would be one file; the weights are written inline instead of refusing or writing a broken model."""
+    """To another folder under the input's name: the weights the input keeps in its own file (location = its own
+    name) go to ``m.onnx.data`` beside the new model, never to a file named by the model."""
     (tmp_path / "in").mkdir()
     (tmp_path / "out").mkdir()
     model = _self_contained(tmp_path / "in" / "m.onnx")
@@ -338,7 +337,7 @@ def test_a_new_model_named_like_the_data_file_it_would_copy(tmp_path: Path, caps
     assert code == 0, err
     _check_same_numbers(tmp_path / "out" / "m.onnx", expected, feeds)
     assert _tree(tmp_path / "in") == before
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.onnx"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.onnx", "m.onnx.data"]
 
 
 def test_beside_the_input_under_another_name_the_input_stays_whole(tmp_path: Path, capsys):
@@ -426,10 +425,10 @@ def _sparse_data_model(folder: Path, hole: int = 64 << 20) -> Path:
 
 
 @pytest.mark.parametrize("kernel_copy", [True, False])
-def test_a_sparse_data_file_is_copied_whole_with_its_holes(tmp_path: Path, capsys, monkeypatch, kernel_copy: bool):
-    """The kept data file beside a new output has the input's bytes; a hole stays a hole rather than megabytes of
-    zeros written out. Where the kernel cannot copy between the files (an older kernel across filesystems), the
-    data goes through memory, and the holes are still skipped."""
+def test_only_the_ranges_the_model_reads_are_copied(tmp_path: Path, capsys, monkeypatch, kernel_copy: bool):
+    """gamma at the start of the data file and beta after a 64 MiB hole: ``<output>.data`` holds the two tensors,
+    not the file. Where the kernel cannot copy between the files (an older kernel across filesystems), the data
+    goes through memory."""
     (tmp_path / "in").mkdir()
     (tmp_path / "out").mkdir()
     model = _sparse_data_model(tmp_path / "in")
@@ -441,18 +440,49 @@ def test_a_sparse_data_file_is_copied_whole_with_its_holes(tmp_path: Path, capsy
     expected = _outputs(model, feeds)
     code, err = _run(capsys, model, "-o", tmp_path / "out" / "m.onnx", "-q")
     assert code == 0, err
-    copied = tmp_path / "out" / "w.data"
-    assert copied.read_bytes() == (tmp_path / "in" / "w.data").read_bytes()
     _check_same_numbers(tmp_path / "out" / "m.onnx", expected, feeds)
-    assert copied.stat().st_blocks * 512 < 16 << 20, "the 64 MiB hole was written out"
+    assert (tmp_path / "out" / "m.onnx.data").stat().st_size < 1 << 16
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.onnx", "m.onnx.data"]
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_a_hole_inside_a_weight_stays_a_hole(tmp_path: Path, capsys, monkeypatch, kernel_copy: bool):
+    """A 64 MiB weight that is mostly a hole in its data file: copied into ``<output>.data`` with the hole kept,
+    not written out as zeros."""
+    rows = 1 << 16
+    table = onnx.TensorProto(name="table", data_type=onnx.TensorProto.FLOAT, dims=[rows, 256])
+    table.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", "w.data"), ("offset", "0"), ("length", str(rows * 256 * 4))):
+        table.external_data.add(key=key, value=value)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["table", "ids"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 256])], [table])
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    with open(tmp_path / "in" / "w.data", "wb") as data:
+        data.write(np.arange(256, dtype=np.float32).tobytes())
+        data.seek(rows * 256 * 4 - 1024)
+        data.write(np.full(256, 7, np.float32).tobytes())
+    model = tmp_path / "in" / "m.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), model)
+    if not kernel_copy:
+        def refuse(*args):
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    code, err = _run(capsys, model, "-o", tmp_path / "out" / "m.onnx", "-q")
+    assert code == 0, err
+    copied = tmp_path / "out" / "m.onnx.data"
+    assert copied.read_bytes() == (tmp_path / "in" / "w.data").read_bytes()
+    assert copied.stat().st_blocks * 512 < 16 << 20, "the hole was written out"
 
 
 @pytest.mark.parametrize("kernel_copy", [True, False])
 def test_a_data_file_that_shrinks_while_copied_is_an_error_not_zeros(tmp_path: Path, monkeypatch, kernel_copy: bool):
-    """The copy is asked for the size the file had when opened; a file cut short since (another writer) is refused,
-    never padded with zeros a model would then read as weights."""
+    """The copy is asked for the bytes the tensors need; a file cut short since (another writer) is refused, never
+    padded with zeros a model would then read as weights."""
     from lnfuse.errors import InputError
-    from lnfuse.load.io import _copy_file
+    from lnfuse.save.data_file import copy_range
     if not kernel_copy:
         def refuse(*args):
             raise OSError(18, "Invalid cross-device link")
@@ -460,4 +490,4 @@ def test_a_data_file_that_shrinks_while_copied_is_an_error_not_zeros(tmp_path: P
     (tmp_path / "w.data").write_bytes(os.urandom(1 << 20))
     with open(tmp_path / "w.data", "rb") as source, open(tmp_path / "copy.data", "wb", buffering=0) as target:
         with pytest.raises(InputError, match="got shorter"):
-            _copy_file(source, target, 2 << 20)  # the size it had when opened
+            copy_range(source, target, 0, 2 << 20)  # the length the tensors said

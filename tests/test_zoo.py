@@ -62,8 +62,8 @@ def test_folders_files_globs_and_a_list_mirror_the_input_tree(tree: Path, tmp_pa
     assert {r["status"] for r in rows.values()} == {"fused"} and all(r["exit"] == 0 for r in rows.values())
     for relative in expected:
         assert (out / relative).is_file()
-    assert (out / "zoo" / "ext" / "ext.data").read_bytes() == (tree / "zoo" / "ext" / "ext.data").read_bytes(), \
-        "external data beside its output"
+    assert (out / "zoo" / "ext" / "ext.onnx.data").is_file() and not (out / "zoo" / "ext" / "ext.data").exists(), \
+        "external data beside its output, named from it"
     assert json.loads((tmp_path / "reports" / "zoo" / "ext" / "ext.onnx.json").read_text())["fused_counts"] == \
         {"LayerNormalization": 2}, "--report names a folder of per-model reports"
     assert "models: 7  fused: 7" in proc.stdout and "LayerNormalization" in proc.stdout
@@ -80,7 +80,8 @@ def test_outputs_are_byte_identical_to_single_model_runs(tree: Path, tmp_path: P
         single.parent.mkdir(parents=True)
         assert lnfuse(str(model), "-o", str(single), "--target", "onnx", "--upgrade-opset", "-q").returncode == 0
         assert (out / relative.removeprefix("zoo/")).read_bytes() == single.read_bytes(), relative
-    assert (out / "ext" / "ext.data").read_bytes() == (tmp_path / "single" / "zoo" / "ext" / "ext.data").read_bytes()
+    assert (out / "ext" / "ext.onnx.data").read_bytes() == \
+        (tmp_path / "single" / "zoo" / "ext" / "ext.onnx.data").read_bytes()
 
 
 def test_a_hostile_folder_fails_alone_with_its_reasons(tree: Path, tmp_path: Path):
@@ -298,7 +299,7 @@ def test_one_parse_serves_the_fuse_and_the_hash(tmp_path: Path, monkeypatch):
     assert [key[0] for key in row["stat"]] == ["", "ext.data"] and row["bytes_in"] == \
         model.stat().st_size + (model.parent / "ext.data").stat().st_size
     written = tmp_path / "out" / "ext.onnx"
-    assert row["bytes_out"] == written.stat().st_size + (written.parent / "ext.data").stat().st_size
+    assert row["bytes_out"] == written.stat().st_size + (written.parent / "ext.onnx.data").stat().st_size
 
 
 def test_resume_compares_stat_keys_and_hashes_only_touched_models(tmp_path: Path):
@@ -324,7 +325,7 @@ def test_resume_compares_stat_keys_and_hashes_only_touched_models(tmp_path: Path
     again = {r["model"]: r for r in rows}
     assert again[QUICK[0]]["sha256"] != first[QUICK[0]]["sha256"], "the edited model ran again"
     assert again["ext/ext.onnx"]["sha256"] != first["ext/ext.onnx"]["sha256"], "so did the one whose data changed"
-    assert (out / "ext" / "ext.data").read_bytes() == data.read_bytes()
+    assert (out / "ext" / "ext.onnx.data").read_bytes()[:4] == bytes(4), "the output has the edited weight"
     touched = {k: v for k, v in again[QUICK[2]].items() if k != "stat"}
     assert touched == {k: v for k, v in first[QUICK[2]].items() if k != "stat"}, \
         "the touched model was hashed, found the same, and its row stands with the new stat keys"

@@ -17,6 +17,7 @@ import onnx.inliner
 import onnx_ir as ir
 
 from lnfuse.load import io
+from lnfuse.save import write
 from lnfuse.index.constants import static_value
 from lnfuse.engine import apply, cleanup, nodes_of, scopes, type_new_values, _all_names
 from lnfuse.match.pattern import attr_value
@@ -92,7 +93,7 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
             n.domain == "com.microsoft" for n in ir.traversal.RecursiveGraphIterator(loaded.model.graph)):
         del loaded.model.opset_imports["com.microsoft"]
     report.ops_after = _op_counts(loaded.model)
-    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info | type_new_values(loaded.model, before))
+    write.strip_inferred_value_info(loaded.model, loaded.declared_value_info | type_new_values(loaded.model, before))
     mark_decomposed(loaded.model, report, verify_rewrites)
     report.seconds = time.perf_counter() - start
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)

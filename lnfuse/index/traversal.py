@@ -56,3 +56,12 @@ def every_proto_node(proto: onnx.ModelProto, main_graph: bool = True) -> Iterato
     for nodes in (proto.graph.node, *(f.node for f in proto.functions)):
         for body in proto_bodies(nodes):
             yield from body.node
+
+
+def every_graph(model: ir.Model) -> Iterator[ir.Graph | ir.Function]:
+    """The main graph, every If/Loop/Scan body in it at any depth, then the model-local functions."""
+    yield model.graph
+    for node in every_node(model.graph):
+        if node.attributes:
+            yield from subgraphs(node)
+    yield from model.functions.values()

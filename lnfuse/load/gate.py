@@ -129,6 +129,11 @@ class Gate:
                                       (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         return self._files[location]
 
+    def identity(self, location: str) -> tuple[int, int]:
+        """(device, inode) of the admitted file ``location`` names: two locations (a link inside the folder, ``./``)
+        may name one file."""
+        return self._files[location].identity
+
     def files(self) -> list[Path]:
         """The data files admitted so far (real paths)."""
         return sorted({Path(f.real) for f in self._files.values()})

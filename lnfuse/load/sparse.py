@@ -10,10 +10,10 @@ from typing import Iterator
 from lnfuse.errors import InputError
 
 
-def data_runs(fd: int, size: int) -> Iterator[tuple[int, int]]:
-    """The (start, end) ranges of the first ``size`` bytes that may hold data, in order; everything between them is
-    a hole. Where the system or filesystem cannot tell (no ``SEEK_DATA``), one range: all of it."""
-    offset = 0
+def data_runs(fd: int, size: int, begin: int = 0) -> Iterator[tuple[int, int]]:
+    """The (start, end) ranges of bytes ``begin`` to ``size`` that may hold data, in order; everything between them
+    is a hole. Where the system or filesystem cannot tell (no ``SEEK_DATA``), one range: all of it."""
+    offset = begin
     while offset < size:
         try:
             start = os.lseek(fd, offset, os.SEEK_DATA)

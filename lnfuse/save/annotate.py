@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from lnfuse.load import io
+from lnfuse.save import write
 from lnfuse.engine import scopes
 from lnfuse.save.provenance import mark_candidates
 from lnfuse.report import Report
@@ -18,8 +19,8 @@ def write_annotated(source: str | os.PathLike, report: Report, output: str | os.
     ``report_file`` if given (renamed into place with the copy). Returns the nodes labelled."""
     loaded = io.load(source, defer_symbolic=True)  # labels need no shapes: ORT's inference is never asked
     labelled = mark_candidates(loaded.model, report, {scope.path: scope.graph for scope in scopes(loaded.model)})
-    io.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
-    io.save(loaded.model, output, external_data="keep" if loaded.has_external_data else None,
+    write.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+    write.save(loaded.model, output, external_data="keep" if loaded.has_external_data else None,
             input_path=loaded.path, source=loaded.source,
             report=(report_file, report.to_json()) if report_file is not None else None)
     return labelled

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from lnfuse.load import trust
-from lnfuse.errors import InputError, LnfuseError, OutputError, UsageError, first_line, one_line, out_of_memory
+from lnfuse.errors import LnfuseError, OutputError, UsageError, first_line, one_line, out_of_memory
 from lnfuse.version import version_line
 from lnfuse.zoo.identity import IDENTITY, ModelIdentity, of_model
 
@@ -120,7 +120,6 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
     """The row's fields for the fused model, its identity included: the data files its load read are hashed before
     anything is written, so that a model stopped while hashing (past --timeout) has no output."""
     from lnfuse.api import fuse  # in the workers, imported once before the first model (see local.py)
-    from lnfuse.load.io import DATA_LOCATIONS
 
     inputs = _inputs(job.inputs)
     result = fuse(job.source, inputs=inputs, **job.options)
@@ -139,14 +138,13 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
     if report.model_check is not None and not report.model_check["ok"]:
         return done | {"status": "differs", "exit": LEFT, "reason": f"the fused model differs from the original "
                        f"({report.model_check['summary']}); nothing was written, please report this model"}
-    _writes_confined(job, list(result.ir_model.meta.get(DATA_LOCATIONS, {})))
+    _writes_confined(job)
     for path in (job.output, job.report):
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-    result.save(job.output, in_place=job.in_place, external_data=job.external_data, report=job.report)
-    written = _written_bytes(Path(job.output), job.external_data, result.ir_model) if result.has_external_data \
-        else Path(job.output).stat().st_size
-    done |= {"output": job.output, "bytes_out": written}
+    written = result.save(job.output, in_place=job.in_place, external_data=job.external_data, report=job.report)
+    done |= {"output": job.output, "bytes_out": sum(path.stat().st_size for path in written
+                                                    if job.report is None or path != Path(job.report))}
     if report.unfused:
         first = report.unfused[0]
         return done | {"status": "candidates left", "exit": LEFT,
@@ -155,24 +153,15 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
     return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}
 
 
-def _writes_confined(job: Job, data_files: list[str]) -> None:
-    """What this model writes stays its own: its output and report in the folders the user named (a link placed in
-    them, where the input tree is mirrored, would take the writes elsewhere), and the data files kept beside the
-    output never land on the ledger or on a model's output (a data file named like a model)."""
+def _writes_confined(job: Job) -> None:
+    """What this model writes stays in the folders the user named: a link placed in them, where the input tree is
+    mirrored, would take the writes elsewhere. (Its data file is ``<output>.data``, named by lnfuse, never by the
+    model.)"""
     depth = len(Path(job.relative).parts)
     for path in filter(None, (None if job.in_place else job.output, job.report)):
         root = os.path.realpath(Path(path).parents[depth - 1])
         if not trust.inside(os.path.realpath(Path(path).parent), root):
             raise OutputError(f"{path}: a link inside {root} leads out of it; remove the link")
-    if job.external_data != "keep" or job.in_place:
-        return
-    ledger = os.path.realpath(job.ledger) if job.ledger else None
-    for name in data_files:
-        landing = Path(job.output).parent / name
-        if landing.suffix == ".onnx" or os.path.realpath(landing) == ledger:
-            raise InputError(f"{job.source}: its data file {name!r}, kept beside the output, would replace "
-                             f"{'the ledger' if os.path.realpath(landing) == ledger else 'a model output'}; "
-                             "rename the data file (and the model's reference to it)")
 
 
 def _read_files(model, path: Path) -> tuple[list[str] | None, dict[str, list[int]] | None]:
@@ -218,24 +207,3 @@ def data_files(path: Path) -> list[str]:
     gate = Gate(path.parent, str(path))
     gate.admit_all(proto, lnfuse_made=weights.holds if weights is not None else None, read_inline=False)
     return list(gate.admitted())
-
-
-def _written_bytes(output: Path, layout: str, model) -> int:
-    """The output and the data files written with it (``keep``: the files its weights name, copied beside it when
-    elsewhere), told from the fused model in memory: the output is not parsed again to find them."""
-    total = output.stat().st_size
-    if layout == "single":
-        data = output.with_name(output.name + ".data")
-        return total + (data.stat().st_size if data.exists() else 0)
-    return total + sum((output.parent / name).stat().st_size for name in _kept_files(model))
-
-
-def _kept_files(model) -> set[str]:
-    """The files the external tensors left in ``model`` name: the main graph's weights (the gate inlined
-    everything else at load), as initializers or as Constant values."""
-    import onnx_ir as ir
-
-    tensors = [value.const_value for value in model.graph.initializers.values()]
-    tensors += [attribute.value for node in model.graph if node.op_type == "Constant"
-                and (attribute := node.attributes.get("value")) is not None]
-    return {str(t.location) for t in tensors if isinstance(t, ir.ExternalTensor)}
