@@ -31,6 +31,7 @@ from lnfuse.load.sparse import data_blocks, data_runs, holes_told
 from lnfuse.index.demand import PendingShapes, infer_shapes_deferred
 from lnfuse.index.shapes import TypesDisagree, infer_function_types, infer_shapes, type_error
 from lnfuse.index.traversal import every_node, every_proto_node, subgraphs
+from lnfuse.index.ops import is_op, onnx_op
 
 
 @dataclass
@@ -171,7 +172,7 @@ def _without_ort_only_ops(proto: onnx.ModelProto, ops: set[str]) -> onnx.ModelPr
     """A copy whose ``ops`` (from ``_ort_only_ops``) are in a domain of their own, which onnx does not check."""
     copy = onnx.ModelProto.FromString(proto.SerializeToString())
     for node in every_proto_node(copy):
-        if node.op_type in ops and node.domain in ("", "ai.onnx"):
+        if onnx_op(node) in ops:
             node.domain = _ORT_DOMAIN
     for imports in [copy.opset_import, *(f.opset_import for f in copy.functions)]:
         imports.append(onnx.helper.make_opsetid(_ORT_DOMAIN, 1))
@@ -180,9 +181,9 @@ def _without_ort_only_ops(proto: onnx.ModelProto, ops: set[str]) -> onnx.ModelPr
 
 def _large_constants(graph: onnx.GraphProto) -> dict[int, onnx.TensorProto]:
     """The Constant nodes holding weights (onnxscript's code form writes weights so), by position; the skeleton sees
-    them as graph inputs. op_type is read first: a big graph has few Constants."""
+    them as graph inputs."""
     return {i: tensor for i, node in enumerate(graph.node)
-            if node.op_type == "Constant" and (tensor := weight_value(node)) is not None
+            if (tensor := weight_value(node)) is not None
             and math.prod(tensor.dims) > WEIGHT_ELEMENTS}
 
 
@@ -692,8 +693,8 @@ def _write_tensor(out, tensor: ir.TensorProtocol, name: str | None, original, so
 
 
 def _constant_value(node: ir.Node) -> ir.Attr | None:
-    attribute = node.attributes.get("value") if node.op_type == "Constant" else None
-    if attribute is None or attribute.type != ir.AttributeType.TENSOR or node.domain not in ("", "ai.onnx"):
+    attribute = node.attributes.get("value") if is_op(node, "Constant") else None
+    if attribute is None or attribute.type != ir.AttributeType.TENSOR:
         return None
     return attribute
 

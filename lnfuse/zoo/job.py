@@ -236,6 +236,6 @@ def _kept_files(model) -> set[str]:
     import onnx_ir as ir
 
     tensors = [value.const_value for value in model.graph.initializers.values()]
-    tensors += [attribute.value for node in model.graph if node.op_type == "Constant"
-                and (attribute := node.attributes.get("value")) is not None]
+    # any node's "value" attribute: what names a data file counts whatever op holds it
+    tensors += [attribute.value for node in model.graph if (attribute := node.attributes.get("value")) is not None]
     return {str(t.location) for t in tensors if isinstance(t, ir.ExternalTensor)}
