@@ -30,6 +30,7 @@ from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from lnfuse.index.shapes import infer_shapes
 from lnfuse.index.traversal import every_node
 from lnfuse.verification.region import Outcome, verify
+from lnfuse.index.ops import is_op, known_op
 
 #: match attempts per root node; commuted operands make a few, a pathological graph must not make thousands
 _MAX_ATTEMPTS = 64
@@ -248,7 +249,7 @@ class _Order:
 
     nodes: list[ir.Node]
     position: dict[ir.Node, float]
-    of_op: dict[str, list[ir.Node]]
+    of_op: dict[str | None, list[ir.Node]]  # by ``known_op``
     unseen_producer: list[ir.Node]
     near: dict[frozenset[str], list[ir.Node]] = field(default_factory=dict)
 
@@ -262,7 +263,7 @@ class _Order:
                     break
             position[node] = len(nodes)
             nodes.append(node)
-            of_op.setdefault(node.op_type, []).append(node)
+            of_op.setdefault(known_op(node), []).append(node)
         return _Order(nodes, position, of_op, unseen)
 
     def near_nodes(self, anchors: frozenset[str]) -> list[ir.Node]:
@@ -281,8 +282,8 @@ def demand(model: ir.Model, options: Options) -> set[str]:
         return set()
     order = _Order.of(model.graph)
     near = order.near_nodes(anchors) if any(op in order.of_op for op in anchors) else []
-    elsewhere = any(node.op_type in anchors for function in model.functions.values() for node in every_node(function))
-    elsewhere = elsewhere or any(node.op_type in anchors for node in every_node(model.graph)
+    elsewhere = any(known_op(node) in anchors for function in model.functions.values() for node in every_node(function))
+    elsewhere = elsewhere or any(known_op(node) in anchors for node in every_node(model.graph)
                                  if node.graph is not model.graph)
     if elsewhere:
         near = order.nodes
@@ -303,7 +304,7 @@ def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:
     # from any, and trying them would make matching cost the graph's size times the normal form's reach
     near = order.near_nodes(rule.anchors)
     for node in reversed(near):
-        if node in consumed or not node.outputs or (roots is not None and node.op_type not in roots):
+        if node in consumed or not node.outputs or (roots is not None and known_op(node) not in roots):
             continue
         candidate = _first_valid(rule, ctx, node.outputs[0], consumed, found, position, cache)
         if candidate is not None:
@@ -312,7 +313,7 @@ def find(rule: Rule, ctx: GraphContext, order: _Order | None = None) -> _Pass:
     for pattern, check, reason in rule.near_misses:
         near_roots = pattern.root_ops()
         for node in near:
-            if near_roots is not None and node.op_type not in near_roots:
+            if near_roots is not None and known_op(node) not in near_roots:
                 continue  # the pattern cannot match here: skip making a matcher per node
             for m in _limited(pattern.match(node.outputs[0] if node.outputs else None, Match(cache=cache))):
                 for anchor in rule.anchor_nodes(m):
@@ -691,7 +692,7 @@ def _bypass_identity_reshapes(host: ir.Graph, value: ir.Value) -> None:
     chain, current = [], value
     while True:
         readers = [(r, i) for r, i in current.uses()]
-        if len(readers) != 1 or readers[0][0].op_type != "Reshape" or readers[0][1] != 0 \
+        if len(readers) != 1 or not is_op(readers[0][0], "Reshape") or readers[0][1] != 0 \
                 or readers[0][0].graph is not host:
             return
         chain.append(readers[0][0])

@@ -16,6 +16,7 @@ from lnfuse.index.budget import OverBudget
 from lnfuse.index.constants import fold, is_static, static_value
 from lnfuse.match.pattern import Either, Match, Op, Pattern, Terms, attr_value, maybe_cast, mono
 from lnfuse.match.rule import GraphContext, Refusal
+from lnfuse.index.ops import is_op, onnx_op
 
 #: reductions that sum without dividing by the count (ReduceSumSquare sums the squares)
 SUMS = ("ReduceSum", "ReduceSumSquare")
@@ -121,7 +122,7 @@ def reduced_count(m: Match, name: str) -> int:
     """How many elements a ``mean_over`` match sums without dividing: 1 for a mean, the product of the reduced dims
     for a ReduceSum (which must then be known)."""
     node = m.node(name)
-    if node.op_type not in SUMS:
+    if onnx_op(node) not in SUMS:
         return 1
     shape = node.inputs[0].shape
     dims = [] if shape is None else [list(shape)[a] for a in reduced_axes(m, name)]
@@ -145,7 +146,7 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
     node = m.node(name)
     x = node.inputs[0]
     rank = rank_of(x)
-    if node.op_type == "GlobalAveragePool":
+    if is_op(node, "GlobalAveragePool"):
         if rank is None or rank < 3:
             raise Refusal("axes", f"GlobalAveragePool '{node.name}' needs an input of known rank >= 3")
         return tuple(range(2 - rank, 0))
@@ -186,7 +187,7 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
         if keepdims:
             raise Refusal("keepdims", f"{unsqueeze.op_type} '{unsqueeze.name}' adds axes to a ReduceMean that kept "
                           "them")
-        if unsqueeze.op_type == "Reshape":
+        if is_op(unsqueeze, "Reshape"):
             _check_same_shape(unsqueeze.outputs[0], _kept_shape(x, axes), f"Reshape '{unsqueeze.name}'", node)
         else:
             _check_unsqueezed(node, unsqueeze, axes, rank)
@@ -200,9 +201,9 @@ def reduced_axes(m: Match, name: str) -> tuple[int, ...]:
 def split_views(chain: tuple[ir.Node, ...]) -> tuple[tuple[ir.Node, ...], tuple[ir.Node, ...]]:
     """(Transposes, unit-dim restores): the restores must be the innermost views (a statistic's dropped axes put back,
     then the whole moved)."""
-    transposes = tuple(n for n in chain if n.op_type == "Transpose")
+    transposes = tuple(n for n in chain if is_op(n, "Transpose"))
     restores = chain[len(transposes):]
-    if any(n.op_type == "Transpose" for n in restores):
+    if any(is_op(n, "Transpose") for n in restores):
         raise Refusal("layout", f"Reshape '{node_name(restores[0])}' inserts unit dims above Transpose: a statistic's "
                       "axes are restored only before it is moved")
     return transposes, restores
@@ -373,7 +374,7 @@ def is_widening(src: ir.DataType | None, dst: ir.DataType) -> bool:
 
 def peel_widening_casts(value: ir.Value) -> ir.Value:
     """The value a chain of exact Casts started from: ``Cast(gamma_fp16 -> fp32)`` is gamma_fp16 seen as fp32."""
-    while (node := value.producer()) is not None and node.op_type == "Cast" and \
+    while (node := value.producer()) is not None and is_op(node, "Cast") and \
             is_widening(dtype_of(node.inputs[0]), cast_target(node)):
         value = node.inputs[0]
     return value

@@ -19,6 +19,7 @@ from lnfuse.index.constants import is_static, static_value
 from lnfuse.match.algebra import transpose_perm, view_axes
 from lnfuse.match.pattern import Either, Match, Mono, Op, Pattern, Terms, Var, maybe_cast, mono
 from lnfuse.match.rule import GraphContext, Refusal, Replacement
+from lnfuse.index.ops import is_op, onnx_op
 from ._common import (FLOATS, cast_target, channel_param, check_laid_out, dtype_of, is_widening, node_name,
                       param_as, rank_of, read_outside, readers_outside, split_views)
 
@@ -214,7 +215,7 @@ def transposed(ctx: GraphContext, b: Boundary, layout: "Layout") -> Boundary:
         return b
     source, perm = b.x, layout.perm
     producer = source.producer()
-    if producer is not None and producer.op_type == "Transpose" and transpose_perm(producer) is not None:
+    if producer is not None and is_op(producer, "Transpose") and transpose_perm(producer) is not None:
         # x is itself a Transpose (outside the region): one Transpose of its input, or none when they cancel
         source, perm = producer.inputs[0], [transpose_perm(producer)[i] for i in perm]
         if perm == list(range(len(perm))):
@@ -232,14 +233,14 @@ def inverse_std_readers(m: Match, region: list[ir.Node]) -> tuple[list[ir.Value]
     absorbed (the ONNX function body of LayerNormalization computes InvStdDev that way).
     """
     var_eps = m.value("var_eps")
-    stds = [n.outputs[0] for n in region if n.op_type == "Sqrt" and n.inputs[0] is var_eps]
+    stds = [n.outputs[0] for n in region if is_op(n, "Sqrt") and n.inputs[0] is var_eps]
     exposed, absorbed = [], []
     for node in region:
         if _is_inverse_std(node, var_eps, stds) and read_outside(node.outputs[0], region):
             exposed.append(node.outputs[0])
     for std in stds:
         for reader in readers_outside(std, region):
-            if _is_inverse_std(reader, var_eps, stds) and reader.op_type != "Pow":
+            if _is_inverse_std(reader, var_eps, stds) and not is_op(reader, "Pow"):
                 absorbed.append(reader)
                 exposed.append(reader.outputs[0])
     if exposed and m.fact("inv_outer") is not None:
@@ -250,11 +251,11 @@ def inverse_std_readers(m: Match, region: list[ir.Node]) -> tuple[list[ir.Value]
 
 
 def _is_inverse_std(node: ir.Node, var_eps: ir.Value, stds: list[ir.Value]) -> bool:
-    if node.op_type == "Reciprocal":
+    if is_op(node, "Reciprocal"):
         return node.inputs[0] in stds
-    if node.op_type == "Div":
+    if is_op(node, "Div"):
         return node.inputs[1] in stds and _is_one(node.inputs[0])
-    if node.op_type == "Pow":
+    if is_op(node, "Pow"):
         exponent = static_value(node.inputs[1]) if _is_one_element(node.inputs[1]) else None
         return exponent is not None and ((node.inputs[0] in stds and float(exponent.reshape(-1)[0]) == -1) or
                                          (node.inputs[0] is var_eps and float(exponent.reshape(-1)[0]) == -0.5))
@@ -281,7 +282,7 @@ def absorb_type_reads(region: list[ir.Node]) -> list[ir.Node]:
                 for reader, _ in out.uses():
                     if reader in inside or not reader.outputs:
                         continue
-                    if reader.op_type in ("Shape", "Size") and reader.domain in ("", "ai.onnx"):
+                    if onnx_op(reader) in ("Shape", "Size"):
                         # a static shape too: the count folded from it is computed by the chain after it
                         chain = _shape_chain(reader, inside)
                     elif all(is_static(o) for o in reader.outputs):

@@ -29,6 +29,7 @@ import onnx_ir as ir
 from lnfuse.index.constants import is_static, static_value
 from lnfuse.match.pattern import Either, Match, Op, Pattern, Var, attr_value, noop_outputs, through_noops
 from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
+from lnfuse.index.ops import is_op, onnx_op
 from ._common import dtype_of, kernel_epsilon, node_name, read_outside, same_dim
 
 _INDEX_TYPES = (ir.DataType.INT32, ir.DataType.INT64)
@@ -103,7 +104,7 @@ class _Viewed(Pattern):
         under = value
         while len(chain) < _MAX_VIEWS and under is not None:
             node = under.producer()
-            if node is None or node.op_type not in _VIEW_OPS or node.domain not in ("", "ai.onnx") or \
+            if node is None or onnx_op(node) not in _VIEW_OPS or \
                     node.outputs[0] is not under or not node.inputs or node.inputs[0] is None:
                 break
             chain.append(node)
@@ -130,7 +131,7 @@ def _stored_constant(value: ir.Value) -> bool:
     """An initializer or a Constant node: a term already folded, not a lookup of constant ids (whose table the rule
     would have to read)."""
     producer = value.producer()
-    return is_static(value) and (producer is None or producer.op_type == "Constant")
+    return is_static(value) and (producer is None or is_op(producer, "Constant"))
 
 
 def _term(i: int) -> Either:
@@ -236,7 +237,7 @@ def _sum_and_norm(m: Match, norm: ir.Node) -> tuple[ir.Value, ir.Value | None, t
     of the norm: LayerNormalization(sum, gamma, beta), or SkipLayerNormalization(a, b, gamma, beta) with no bias
     (a bias would be one more term the kernel does not add), whose defaults are the contrib op's."""
     inputs = list(norm.inputs) + [None] * 5
-    if norm.op_type == "LayerNormalization":
+    if is_op(norm, "LayerNormalization"):
         return m.value("add"), m.value("add"), (inputs[1], inputs[2], kernel_epsilon(norm, 1e-5))
     if inputs[4] is not None:
         raise Refusal("bias", f"'{node_name(norm)}' adds a bias to the embedding sum; the kernel adds none")
@@ -248,7 +249,7 @@ def _sum_values(read: ir.Value | None, norm: ir.Node) -> list[ir.Value]:
     """The values holding the embedding sum: the sum, then the outputs of the no-ops between it and the norm."""
     if read is None:
         return []
-    return [read] + (noop_outputs(norm.inputs[0], read) if norm.op_type == "LayerNormalization" else [])
+    return [read] + (noop_outputs(norm.inputs[0], read) if is_op(norm, "LayerNormalization") else [])
 
 
 def _region(m: Match, lookups: list[_Lookup]) -> list[ir.Node]:
@@ -352,7 +353,7 @@ def _unviewed(m: Match, i: int, ids: ir.Value, table: ir.Value, total: ir.Value)
                           f"front of Gather '{node_name(gather)}': {_target(entries)}")
         dims = reshaped + table_dims[1:]
     views: tuple[ir.Node, ...] = m.fact(f"views{i}", ())
-    moves = [node for node in views if node.op_type != "Identity"]  # an Identity moves nothing, wherever it is
+    moves = [node for node in views if not is_op(node, "Identity")]  # an Identity moves nothing, wherever it is
     term = dims
     for k, node in enumerate(moves):
         term, grown = _view(node, dims)
@@ -542,16 +543,16 @@ def _entries_of(value: ir.Value, depth: int, seen: dict) -> list | None:
     node = value.producer()
     if node is None or depth > 4 or node.domain not in ("", "ai.onnx"):
         return None
-    if node.op_type in ("Cast", "Identity"):
+    if onnx_op(node) in ("Cast", "Identity"):
         return _entries(node.inputs[0], depth + 1, seen)
-    if node.op_type == "Shape":
+    if is_op(node, "Shape"):
         dims = _dims(node.inputs[0])
         if dims is None:
             return None
         rank = len(dims)
         start, end = attr_value(node, "start", 0), attr_value(node, "end", rank)
         return dims[max(start + rank if start < 0 else start, 0):min(end + rank if end < 0 else end, rank)]
-    if node.op_type == "Concat" and attr_value(node, "axis") in (0, -1) and len(node.inputs) <= _MAX_SHAPE_ENTRIES:
+    if is_op(node, "Concat") and attr_value(node, "axis") in (0, -1) and len(node.inputs) <= _MAX_SHAPE_ENTRIES:
         parts = []
         for v in node.inputs:
             part = _entries(v, depth + 1, seen)
@@ -612,9 +613,9 @@ def _dequantize_table(ctx: GraphContext, dq: ir.Node, table: ir.Value) -> ir.Val
 def _sliced_to(ids: ir.Value, seq) -> bool:
     """``ids`` is a Slice whose end is the sequence length ``seq``, read from the shape of a tensor."""
     node = ids.producer()
-    while node is not None and node.op_type in ("Cast", "Identity"):
+    while node is not None and onnx_op(node) in ("Cast", "Identity"):
         node = node.inputs[0].producer()
-    if node is None or node.op_type != "Slice" or len(node.inputs) < 3:
+    if node is None or not is_op(node, "Slice") or len(node.inputs) < 3:
         return False
     return _is_dim_of(node.inputs[2], seq)
 
@@ -625,14 +626,14 @@ def _is_dim_of(value: ir.Value, dim, depth: int = 0) -> bool:
     node = value.producer()
     if node is None or depth > 4:
         return False
-    if node.op_type in ("Cast", "Identity", "Unsqueeze", "Reshape", "Squeeze"):
+    if onnx_op(node) in ("Cast", "Identity", "Unsqueeze", "Reshape", "Squeeze"):
         return _is_dim_of(node.inputs[0], dim, depth + 1)
-    if node.op_type == "Gather" and node.inputs[0].producer() is not None:
+    if is_op(node, "Gather") and node.inputs[0].producer() is not None:
         shape_node, index = node.inputs[0].producer(), static_value(node.inputs[1])
-        if shape_node.op_type != "Shape" or index is None or index.size != 1 or len(shape_node.attributes):
+        if not is_op(shape_node, "Shape") or index is None or index.size != 1 or len(shape_node.attributes):
             return False
         return _axis_is(shape_node.inputs[0], int(index.reshape(-1)[0]), dim)
-    if node.op_type == "Shape":
+    if is_op(node, "Shape"):
         source = node.inputs[0]
         if source.shape is None:
             return False
@@ -668,9 +669,9 @@ def _wrapping_cast(ids: ir.Value, rows, depth: int = 0) -> ir.Node | None:
     node = ids.producer()
     if node is None or depth > 6 or node.domain not in ("", "ai.onnx"):
         return None
-    if node.op_type == "Cast" and dtype_of(ids) in _SIGNED and not _counts_exactly(ids, rows):
+    if is_op(node, "Cast") and dtype_of(ids) in _SIGNED and not _counts_exactly(ids, rows):
         return node
-    if node.op_type in ("Cast", "Unsqueeze", "Expand", "Identity", "Reshape", "Squeeze"):
+    if onnx_op(node) in ("Cast", "Unsqueeze", "Expand", "Identity", "Reshape", "Squeeze"):
         return _wrapping_cast(node.inputs[0], rows, depth + 1)
     return None
 
@@ -690,27 +691,27 @@ def _is_arange(ids: ir.Value, rows, depth: int = 0) -> bool:
     node = ids.producer()
     if node is None or depth > 6:
         return False
-    if node.op_type in ("Cast", "Unsqueeze", "Expand", "Identity"):
+    if onnx_op(node) in ("Cast", "Unsqueeze", "Expand", "Identity"):
         # position ids broadcast over the batch, or widened: still 0..n-1 along the last axis, unless the last
         # axis itself is broadcast (a constant 0 expanded to [B, S] is not 0..S-1)
         source = node.inputs[0]
-        if node.op_type == "Expand" and (source.shape is None or ids.shape is None or len(source.shape) == 0
+        if is_op(node, "Expand") and (source.shape is None or ids.shape is None or len(source.shape) == 0
                                          or not same_dim(source.shape[-1], ids.shape[-1])):
             return False
         axes = attr_value(node, "axes")
-        if node.op_type == "Unsqueeze" and axes is None and len(node.inputs) > 1:
+        if is_op(node, "Unsqueeze") and axes is None and len(node.inputs) > 1:
             found = static_value(node.inputs[1])
             axes = None if found is None else found.reshape(-1).tolist()
-        if node.op_type == "Unsqueeze" and (axes is None or any(a in (-1, len(ids.shape) - 1) for a in axes)):
+        if is_op(node, "Unsqueeze") and (axes is None or any(a in (-1, len(ids.shape) - 1) for a in axes)):
             return False
-        if node.op_type == "Cast" and not _counts_exactly(ids, rows):
+        if is_op(node, "Cast") and not _counts_exactly(ids, rows):
             return False
         return _is_arange(node.inputs[0], rows, depth + 1)
-    if node.op_type == "Range":
+    if is_op(node, "Range"):
         start, delta = static_value(node.inputs[0]), static_value(node.inputs[2])
         return start is not None and delta is not None and start.item() == 0 and delta.item() == 1 and \
             _counts_exactly(ids, rows)
-    if node.op_type == "Slice":
+    if is_op(node, "Slice"):
         return _is_arange_slice(node, rows, depth)
     return False
 
@@ -769,7 +770,7 @@ def _int32(ctx: GraphContext, ids: ir.Value) -> ir.Value:
     if dtype_of(ids) == ir.DataType.INT32:
         return ids
     widened = ids.producer()
-    if widened is not None and widened.op_type == "Cast" and widened.domain in ("", "ai.onnx") and \
+    if widened is not None and is_op(widened, "Cast") and \
             widened.inputs[0] is not None and dtype_of(widened.inputs[0]) == ir.DataType.INT32:
         return widened.inputs[0]
     cast = ctx.node("Cast", [ids], {"to": ir.DataType.INT32.value}, hint="lnfuse_ids")
@@ -791,7 +792,7 @@ def _dequantized(values: list[ir.Value | None]) -> list[_Quantized] | None:
     found = []
     for value in values:
         node = value.producer() if value is not None else None
-        if node is None or node.op_type != "DequantizeLinear" or len(node.inputs) < 3 or node.inputs[2] is None:
+        if node is None or not is_op(node, "DequantizeLinear") or len(node.inputs) < 3 or node.inputs[2] is None:
             return None
         q, scale, zero = node.inputs[:3]
         if dtype_of(q) not in (ir.DataType.INT8, ir.DataType.UINT8) or dtype_of(zero) != dtype_of(q):

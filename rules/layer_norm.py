@@ -14,6 +14,7 @@ import onnx_ir as ir
 from lnfuse.index.constants import static_value
 from lnfuse.match.pattern import Either, Match, Op, Terms, Var, attr_value, maybe_cast, mono
 from lnfuse.match.rule import GraphContext, Refusal, Replacement, Rule
+from lnfuse.index.ops import is_op, onnx_op
 from ._common import (FLOATS, SUMS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
                       check_mean_scale, check_statistic_precision, epsilon, kept_dims, mean_of_square, mean_over,
                       node_name, param_as, rank_of, read_outside, readers_outside, reduced_axes, square, trailing_axes)
@@ -263,10 +264,10 @@ def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> str:
 def _unflatten(m: Match, ctx: GraphContext, b: Boundary):
     """Prove ``Reshape(norm(Flatten(X, a)), Shape(X))`` is a norm of X over its axes a.., and lay out gamma/beta."""
     flatten, shape = b.x.producer(), m.value("x_shape").producer()
-    if b.y is not m.value("y") or flatten is None or flatten.op_type != "Flatten":
+    if b.y is not m.value("y") or flatten is None or not is_op(flatten, "Flatten"):
         raise Refusal("shape", "the Reshape after the norm does not undo a Flatten before it")
     x_nd = flatten.inputs[0]
-    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not x_nd or shape.attributes:
+    if shape is None or not is_op(shape, "Shape") or shape.inputs[0] is not x_nd or shape.attributes:
         raise Refusal("shape", f"Reshape '{node_name(m.node('unflatten'))}' does not restore the shape of "
                       f"'{x_nd.name}'")
     rank = rank_of(x_nd)
@@ -288,7 +289,7 @@ def _flat_param(ctx: GraphContext, value: ir.Value | None, x_nd: ir.Value, k: in
     if value is None:
         return None
     producer = value.producer()
-    if producer is not None and producer.op_type == "Flatten" and \
+    if producer is not None and is_op(producer, "Flatten") and \
             (producer.attributes["axis"].value if "axis" in producer.attributes else 1) == 0:
         return param_as(ctx, producer.inputs[0], x_nd, k, dtype, what)
     array = static_value(value)
@@ -311,7 +312,7 @@ def _only_reshaped(values: list[ir.Value], region: list[ir.Node]) -> None:
     # the flattened statistic has shape [M, 1]; the fused op's has X's leading dims: only a Reshape cannot tell
     for value in values:
         for reader in readers_outside(value, region):
-            if reader.op_type != "Reshape" or reader.inputs[0] is not value:
+            if not is_op(reader, "Reshape") or reader.inputs[0] is not value:
                 raise Refusal("intermediate", f"'{value.name}' is read by {reader.op_type} '{reader.name}' in its "
                               f"flattened shape")
 
@@ -352,7 +353,7 @@ def _write_batch_norm(m: Match, ctx: GraphContext, b: Boundary, eps: float, scal
     # numbers (and nothing else needs them)
     for name in ("bn_scale", "bn_bias"):
         node = m.value(name).producer()
-        if node is not None and node.op_type == "Expand" and node not in region and \
+        if node is not None and is_op(node, "Expand") and node not in region and \
                 not m.value(name).is_graph_output() and all(user in region for user, _ in m.value(name).uses()):
             region.append(node)
     region = absorb_type_reads(region)
@@ -415,7 +416,7 @@ def _check_bn_constant(value: ir.Value, want: float, what: str, bn: ir.Node) -> 
     """BatchNormalization's scale (bias) is all ones (zeros): a constant, or an Expand of one."""
     source = value
     producer = value.producer()
-    if static_value(value) is None and producer is not None and producer.op_type == "Expand" and \
+    if static_value(value) is None and producer is not None and is_op(producer, "Expand") and \
             producer.domain in ("", "ai.onnx"):
         source = producer.inputs[0]
     array = static_value(source)
@@ -472,7 +473,7 @@ def _check_bn_variance(m: Match, h: int) -> None:
             raise Refusal("keepdims", f"the variance is re-broadcast by '{node_name(m.node(name))}', where "
                           "BatchNormalization takes one value per row")
     _check_reduction(var, m.node("bn_var_squeeze"), "the variance")
-    count = h if var.op_type in SUMS else 1
+    count = h if onnx_op(var) in SUMS else 1
     scale = float(m.fact("var_scale", 1.0))
     if abs(scale * count - 1) > 1e-6:
         raise Refusal("variance", f"{var.op_type} '{node_name(var)}' of {count} element(s) is scaled by {scale:.6g}: "
@@ -486,11 +487,11 @@ def _shape_source(value: ir.Value) -> ir.Value | None:
         node = value.producer()
         if node is None or node.domain not in ("", "ai.onnx"):
             return None
-        if node.op_type == "Shape":
+        if is_op(node, "Shape"):
             if attr_value(node, "start", 0) != 0 or attr_value(node, "end") is not None:
                 return None
             return node.inputs[0]
-        if node.op_type != "Cast" or attr_value(node, "to") not in (ir.DataType.INT32.value, ir.DataType.INT64.value):
+        if not is_op(node, "Cast") or attr_value(node, "to") not in (ir.DataType.INT32.value, ir.DataType.INT64.value):
             return None
         value = node.inputs[0]
     return None

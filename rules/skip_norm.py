@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from lnfuse.match.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
 from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
+from lnfuse.index.ops import onnx_op
 from ._common import dtype_of, kernel_epsilon, node_name, rank_of, read_outside
 
 _KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -97,7 +98,7 @@ class SkipNorm(Rule):
 
     def build(self, m: Match, ctx: GraphContext) -> Replacement:
         norm = m.node("norm")
-        rms = norm.op_type in _RMS
+        rms = onnx_op(norm) in _RMS
         fused_type = "SkipSimplifiedLayerNormalization" if rms else "SkipLayerNormalization"
         s, reshape = m.value("add"), m.node("reshape")
         _check_norm(norm, s)

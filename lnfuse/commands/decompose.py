@@ -26,6 +26,7 @@ from lnfuse.report import DECOMPOSE, Fused, Report, Unfused
 from lnfuse.match.rule import GraphContext, Refusal, Replacement
 from lnfuse.rules import embed_norm, layer_norm, rms_norm, skip_norm
 from lnfuse.verification.region import verify
+from lnfuse.index.ops import is_op
 
 
 @dataclass(frozen=True)
@@ -247,27 +248,27 @@ def _lower(body: ir.Graph, opset: int) -> None:
     """Spell the body in the graph's opset: CastLike as Cast (<15 has no CastLike), axes as attributes (<18),
     and drop the additions of the zeros that stood in for absent optional inputs."""
     for node in list(body):
-        if node.op_type == "Add":
+        if is_op(node, "Add"):
             _drop_zero_add(body, node)
             continue
-        if node.op_type == "Constant" and "value" not in node.attributes:
+        if is_op(node, "Constant") and "value" not in node.attributes:
             # value_float/value_ints: valid, but some tools (ORT's symbolic shape inference) read only ``value``
             tensor = ir.convenience.get_const_tensor(node.outputs[0])
             node.attributes.clear()
             node.attributes["value"] = ir.AttrTensor("value", tensor)
-        if node.op_type == "Range" and all(static_value(v) is not None for v in node.inputs):
+        if is_op(node, "Range") and all(static_value(v) is not None for v in node.inputs):
             # the references compute axes as Range(axis, 0, 1); onnx's inference reads axes only from a constant
             start, limit, delta = (static_value(v) for v in node.inputs)
             node.op_type = "Constant"
             node.resize_inputs(0)
             node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.arange(start, limit, delta)))
             continue
-        if node.op_type == "CastLike":
+        if is_op(node, "CastLike"):
             target = node.inputs[1].dtype
             node.resize_inputs(1)
             node.op_type = "Cast"
             node.attributes["to"] = ir.AttrInt64("to", target.value)
-        elif node.op_type == "ReduceMean" and opset < 18 and len(node.inputs) > 1:
+        elif is_op(node, "ReduceMean") and opset < 18 and len(node.inputs) > 1:
             axes = static_value(node.inputs[1])
             node.resize_inputs(1)
             node.attributes["axes"] = ir.AttrInt64s("axes", [int(a) for a in axes.reshape(-1)])

@@ -18,6 +18,7 @@ from lnfuse.save.provenance import mark_fused
 from lnfuse.report import Fused, Report, Unfused
 from lnfuse.match.rule import GraphContext
 from lnfuse.verification.whole_model import compare_models, random_inputs
+from lnfuse.index.ops import ORT_DOMAIN, is_op, op_key
 
 SCHEMES = ("uint8", "int8")
 
@@ -27,7 +28,7 @@ def quantize_embeddings(model: ir.Model, scheme: str, names: set[str], report: R
     graph = model.graph
     ctx = GraphContext(graph, model.opset_imports.get("", 1), "ort", "main", names)
     done = 0
-    for node in [n for n in graph if n.op_type == "EmbedLayerNormalization" and n.domain == "com.microsoft"]:
+    for node in [n for n in graph if is_op(n, "EmbedLayerNormalization", domain="com.microsoft")]:
         reason = _ineligible(node)
         if reason:
             report.unfused.append(Unfused("quantize_embeddings", "main", f"EmbedLayerNormalization '{node.name}'",
@@ -84,7 +85,7 @@ def _per_tensor(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
     """(q, scale, zero_point) when ``value`` is DequantizeLinear of a constant int8/uint8 tensor with one scale and
     one zero point (a table quantize_dynamic quantized), else None."""
     node = value.producer()
-    if node is None or node.op_type != "DequantizeLinear" or len(node.inputs) < 3 or node.inputs[2] is None:
+    if node is None or not is_op(node, "DequantizeLinear") or len(node.inputs) < 3 or node.inputs[2] is None:
         return None
     q, scale, zero = node.inputs[:3]
     if q.const_value is None or q.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or zero.dtype != q.dtype:
@@ -131,16 +132,17 @@ def _valid_ids(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     producers = {o: n for n in model.graph.node for o in n.output}
     for output, node in producers.items():
         # a table dequantized per tensor has the rows of the quantized table it reads
-        if node.op_type == "DequantizeLinear" and node.input[0] in rows:
+        if is_op(node, "DequantizeLinear") and node.input[0] in rows:
             rows[output] = rows[node.input[0]]
     rng = np.random.default_rng(7)
     for node in model.graph.node:
-        tables = {"Gather": [(0, 1)], "EmbedLayerNormalization": [(2, 0), (4, 1), (3, 8)]}.get(node.op_type, [])
+        tables = {("", "Gather"): [(0, 1)], (ORT_DOMAIN, "EmbedLayerNormalization"): [(2, 0), (4, 1), (3, 8)]}.get(
+            op_key(node), [])
         for table_index, ids_index in tables:
             if len(node.input) <= max(table_index, ids_index) or not node.input[ids_index]:
                 continue
             ids = node.input[ids_index]
-            while ids in producers and producers[ids].op_type == "Cast":
+            while ids in producers and is_op(producers[ids], "Cast"):
                 ids = producers[ids].input[0]
             bound = rows.get(node.input[table_index])
             if ids in feeds and bound and np.issubdtype(feeds[ids].dtype, np.integer):

@@ -23,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.index.constants import static_value
+from lnfuse.index.ops import is_op, onnx_op
 
 # ops that only move or select elements: their outputs hold values of their (first) input
 _MOVES = frozenset({"Gather", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice", "Identity", "Expand",
@@ -39,8 +40,8 @@ def canonicalize(graph: ir.Graph | ir.Function, fresh_name: Callable[[str], str]
     # costs): no step adds or removes nodes of a later step's op, but the CastLike step adds Casts
     of_op: dict[str, list[ir.Node]] = {op: [] for op in _STEP_OPS}
     for node in host:
-        if node.op_type in of_op:
-            of_op[node.op_type].append(node)
+        if onnx_op(node) in of_op:
+            of_op[onnx_op(node)].append(node)
     likes = sum(_cast_like_to_cast(host, node, fresh_name) for node in of_op["CastLike"] if _is_known_cast_like(node))
     if likes:
         removed.append(f"{likes} CastLike(s) of a known dtype (now Cast)")
@@ -53,7 +54,7 @@ def canonicalize(graph: ir.Graph | ir.Function, fresh_name: Callable[[str], str]
         ones += source is not None and _bypass(host, node, source)
     if ones:
         removed.append(f"{ones} Mul(s) by 1")
-    shapes = sum(_shape_from_ids(host, node, fresh_name) for node in of_op["Shape"] if _is_onnx(node))
+    shapes = sum(_shape_from_ids(host, node, fresh_name) for node in of_op["Shape"])
     if shapes:
         removed.append(f"{shapes} Shape(s) of embedding lookups (now read from the ids)")
     pairs = sum(_bypass(host, node, node.inputs[0].producer().inputs[0])
@@ -77,7 +78,7 @@ def _bypass(host: ir.Graph, node: ir.Node, source: ir.Value | None = None) -> bo
 
 
 def _is_known_cast_like(node: ir.Node) -> bool:
-    if node.op_type != "CastLike" or not _is_onnx(node) or len(node.inputs) != 2 or None in node.inputs:
+    if not is_op(node, "CastLike") or len(node.inputs) != 2 or None in node.inputs:
         return False
     return node.inputs[1].type is not None and node.inputs[1].dtype is not None and \
         all(not a.is_ref() for a in node.attributes.values())
@@ -100,7 +101,7 @@ def _cast_like_to_cast(host: ir.Graph, node: ir.Node, fresh_name: Callable[[str]
 
 
 def _is_noop_cast(node: ir.Node) -> bool:
-    if node.op_type != "Cast" or not _is_onnx(node) or node.inputs[0] is None:
+    if not is_op(node, "Cast") or node.inputs[0] is None:
         return False
     to = node.attributes.get("to")
     source = node.inputs[0]
@@ -110,7 +111,7 @@ def _is_noop_cast(node: ir.Node) -> bool:
 def _times_one(node: ir.Node, read: dict[ir.Value, np.ndarray | None]) -> ir.Value | None:
     """x when ``node`` is Mul(x, 1) or Mul(1, x) and the product has x's shape and dtype. ``read``: the constants
     already read (a chain of a million Muls by one constant reads it once)."""
-    if node.op_type != "Mul" or not _is_onnx(node) or len(node.inputs) != 2 or None in node.inputs:
+    if not is_op(node, "Mul") or len(node.inputs) != 2 or None in node.inputs:
         return None
     for x, one in (node.inputs, reversed(node.inputs)):
         # only a one-element constant is read: a large weight is never loaded just to see it is not 1
@@ -123,9 +124,6 @@ def _times_one(node: ir.Node, read: dict[ir.Value, np.ndarray | None]) -> ir.Val
             return x
     return None
 
-
-def _is_onnx(node: ir.Node) -> bool:
-    return node.domain in ("", "ai.onnx")
 
 
 def _shape_from_ids(host: ir.Graph, shape: ir.Node, fresh_name: Callable[[str], str]) -> bool:
@@ -163,7 +161,7 @@ def _lookup_shape(value: ir.Value) -> tuple[ir.Value, list[int]] | None:
     by Gathers of one constant index along a trailing axis (BART reads ``inputs_embeds[:, :, -1]``): its shape is
     ids.shape + trailing."""
     node = value.producer()
-    if node is None or node.op_type != "Gather" or not _is_onnx(node) or None in node.inputs:
+    if node is None or not is_op(node, "Gather") or None in node.inputs:
         return None
     data, index = node.inputs
     axis = node.attributes["axis"].value if "axis" in node.attributes else 0
@@ -188,7 +186,7 @@ def _stored_shape(table: ir.Value) -> list[int] | None:
     """The shape of a stored tensor (not an overridable graph input), through a dequantization or a Cast."""
     while table.const_value is None:
         node = table.producer()
-        if node is None or node.op_type not in ("DequantizeLinear", "Cast", "Identity") or not _is_onnx(node):
+        if node is None or onnx_op(node) not in ("DequantizeLinear", "Cast", "Identity"):
             return None
         table = node.inputs[0]
     if table.is_graph_input():
@@ -197,19 +195,19 @@ def _stored_shape(table: ir.Value) -> list[int] | None:
 
 
 def _is_identity_requantization(node: ir.Node) -> bool:
-    if node.op_type != "DequantizeLinear" or not _is_onnx(node):
+    if not is_op(node, "DequantizeLinear"):
         return False
     quantize = node.inputs[0].producer() if node.inputs[0] is not None else None
-    if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.outputs[0].uses().__len__() != 1:
+    if quantize is None or not is_op(quantize, "QuantizeLinear") or quantize.outputs[0].uses().__len__() != 1:
         return False
     grid = _grid(node)
     if grid is None or _grid(quantize) != grid:
         return False
     value = quantize.inputs[0]
-    while (producer := value.producer()) is not None and producer.op_type in _MOVES:
+    while (producer := value.producer()) is not None and onnx_op(producer) in _MOVES:
         value = producer.inputs[0]
     source = value.producer()
-    return source is not None and source.op_type == "DequantizeLinear" and _grid(source) == grid
+    return source is not None and is_op(source, "DequantizeLinear") and _grid(source) == grid
 
 
 def _grid(node: ir.Node) -> tuple | None:

@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.index.budget import OverBudget, output_elements, require
+from lnfuse.index.ops import is_op, onnx_op
 
 _MAX_DEPTH = 8
 _FOLDABLE = frozenset(
@@ -27,9 +28,6 @@ _FOLDABLE = frozenset(
      "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal", "Not", "And", "Or", "ReduceProd"}
 )
 
-
-def _is_onnx(node: ir.Node) -> bool:
-    return node.domain in ("", "ai.onnx")
 
 
 def is_static(value: ir.Value, depth: int = 0, memo: dict | None = None) -> bool:
@@ -57,19 +55,19 @@ def _is_static(value: ir.Value, depth: int, memo: dict | None) -> bool:
     node = value.producer()
     if node is None:
         return value.const_value is not None
-    if not _is_onnx(node) or depth > _MAX_DEPTH or any(a.is_ref() for a in node.attributes.values()):
+    if onnx_op(node) is None or depth > _MAX_DEPTH or any(a.is_ref() for a in node.attributes.values()):
         return False  # a function attribute's value is known only at each call
-    if node.op_type == "Constant":
+    if is_op(node, "Constant"):
         return len(node.attributes) == 1 and not next(iter(node.attributes.values())).is_ref()
-    if node.op_type in ("Shape", "Size"):
+    if onnx_op(node) in ("Shape", "Size"):
         # Size(Shape(x)) is the rank: Shape's output has a static shape even when x's dims are symbolic
         dims = _read_dims(node)
         return dims is not None and all(isinstance(d, int) for d in dims)
-    if node.op_type not in _FOLDABLE:
+    if onnx_op(node) not in _FOLDABLE:
         return False
     if _known_dims_of_shape(node, depth) is not None:
         return True
-    if node.op_type == "CastLike":
+    if is_op(node, "CastLike"):
         # reads only the dtype of its second input
         like = node.inputs[1]
         return like is not None and like.type is not None and is_static(node.inputs[0], depth + 1, memo)
@@ -79,10 +77,10 @@ def _is_static(value: ir.Value, depth: int, memo: dict | None) -> bool:
 def _known_dims_of_shape(node: ir.Node, depth: int = 0) -> np.ndarray | None:
     """``Gather(Shape(x), i)`` where the dims it picks are known: ``x.shape[-1]`` traced by the TorchScript exporter
     with a dynamic batch (a mean written ``x.sum(-1) / x.shape[-1]``) is a constant though Shape(x) is not."""
-    if node.op_type != "Gather" or _attr(node, "axis", 0) != 0 or len(node.inputs) != 2 or None in node.inputs:
+    if not is_op(node, "Gather") or _attr(node, "axis", 0) != 0 or len(node.inputs) != 2 or None in node.inputs:
         return None
     shape_node = node.inputs[0].producer()
-    if shape_node is None or shape_node.op_type != "Shape" or not _is_onnx(shape_node) or \
+    if shape_node is None or not is_op(shape_node, "Shape") or \
             not is_static(node.inputs[1], depth + 1):
         return None
     dims = _read_dims(shape_node)
@@ -105,7 +103,7 @@ def _read_dims(node: ir.Node) -> list | None:
     if shape is None:
         return None
     dims = list(shape)
-    if node.op_type == "Shape":
+    if is_op(node, "Shape"):
         dims = dims[_attr(node, "start", 0):_attr(node, "end", None)]
     return dims
 
@@ -149,7 +147,7 @@ def _compute(value: ir.Value, done: dict) -> np.ndarray:
     node = value.producer()
     if node is None:
         return np.asarray(value.const_value.numpy())
-    op = node.op_type
+    op = onnx_op(node)
     if op == "Constant":
         attr = node.attributes.get("value")  # the common spelling, read without onnx_ir's Protocol check
         tensor = attr.value if attr is not None and attr.type == ir.AttributeType.TENSOR else \

@@ -36,6 +36,7 @@ import onnx_ir as ir
 from lnfuse.index.shapes import (OnnxVerdict, _Claims, _infer_with_claims, _symbolic, _take_claims,
                                  infer_function_types)
 from lnfuse.index.traversal import every_node, proto_bodies
+from lnfuse.index.ops import is_op
 
 #: a model of at most this many nodes (subgraphs included) is inferred whole, as it always was: ORT's symbolic
 #: inference takes about a second on it where no op makes sympy slow, and dim names merged anywhere in the model
@@ -237,7 +238,7 @@ def _count_nodes(graph: onnx.GraphProto) -> int:
 
 def _count_ops(graph: onnx.GraphProto, op_type: str | None) -> int:
     """The nodes of ``graph`` and its bodies (of ``op_type`` only, when given)."""
-    return sum(len(g.node) if op_type is None else sum(n.op_type == op_type for n in g.node)
+    return sum(len(g.node) if op_type is None else sum(is_op(n, op_type) for n in g.node)
                for g in [graph, *proto_bodies(graph.node)])
 
 

@@ -20,6 +20,7 @@ import onnx_ir as ir
 
 from lnfuse.index.budget import MAX_ELEMENTS, SIZE_PRODUCING, SIZED, elements, output_elements, stand_in
 from lnfuse.index.constants import _FOLD
+from lnfuse.index.ops import is_op, onnx_op
 
 #: values held with their numbers (shapes, axes, epsilon) up to this many elements; larger known values are only
 #: sized. A size input is never that large in a model worth fusing.
@@ -115,10 +116,10 @@ def _walk(proto: onnx.ModelProto, per_node: int | None = None) -> tuple[_Walk, l
         _source(walk, tensor.name, tensor)
     known = walk.known
     for index, node in enumerate(graph.node):
-        op = node.op_type
+        op = onnx_op(node)
         if op not in _SOURCES and (op not in SIZED or not all(name in known or not name for name in node.input)):
             continue  # computed from run-time data (most nodes): nothing the libraries fold
-        if node.domain in ("", "ai.onnx") and not _visit(walk, node, proto):
+        if op is not None and not _visit(walk, node, proto):
             over.append(index)
     return walk, over
 
@@ -181,7 +182,7 @@ _SOURCES = frozenset({"Constant", "Shape", "Size"})
 
 def _visit(walk: _Walk, node: onnx.NodeProto, proto: onnx.ModelProto) -> bool:
     """Record what ``node`` makes that the libraries could fold; False when it must be hidden from them."""
-    op = node.op_type
+    op = onnx_op(node)
     if op == "Constant":
         value = _constant(node)
         if value is not None and node.output:
@@ -227,7 +228,7 @@ def _count(op: str, node: onnx.NodeProto, args: list, exact: bool) -> int | None
 
 def _fold(walk: _Walk, node: onnx.NodeProto, args: list, count: int, exact: bool) -> None:
     out = node.output[0]
-    fold = _FOLD.get(node.op_type) or _EXTRA.get(node.op_type)
+    fold = _FOLD.get(onnx_op(node)) or _EXTRA.get(onnx_op(node))
     if exact and count <= _SMALL and fold is not None:
         try:
             walk.known[out] = np.asarray(fold(_Node(node), args))
@@ -246,7 +247,7 @@ def _shape_of(walk: _Walk, node: onnx.NodeProto, proto: onnx.ModelProto) -> None
     dims = _dims(walk, name, proto)
     if dims is None or not node.output:
         return
-    if node.op_type == "Size":
+    if is_op(node, "Size"):
         walk.known[node.output[0]] = np.array(elements(dims) if elements(dims) < 2**63 else -1, dtype=np.int64)
     else:
         reader = _attr_reader(_Node(node))

@@ -23,6 +23,7 @@ import onnx_ir as ir
 from lnfuse.index.budget import MAX_ELEMENTS, SIZE_PRODUCING, elements
 from lnfuse.index.library_budget import Hidden, hide_oversized, restore
 from lnfuse.index.traversal import every_node, every_proto_node
+from lnfuse.index.ops import onnx_op
 
 
 class TypesDisagree(Exception):
@@ -345,7 +346,7 @@ def _sizes_out_of_sight(proto: onnx.ModelProto) -> bool:
     (``budget.SIZE_PRODUCING``). The budget's walk sees the main graph only, and onnx's data propagation runs
     through function bodies at each call: a Pad of 2**31 inside a function took 24 GB. Such models are inferred
     without data propagation (which folds nothing, so it allocates nothing for any size)."""
-    return any(node.op_type in SIZE_PRODUCING for node in every_proto_node(proto, main_graph=False))
+    return any(onnx_op(node) in SIZE_PRODUCING for node in every_proto_node(proto, main_graph=False))
 
 
 def _has_huge_input(proto: onnx.ModelProto) -> bool:

@@ -29,6 +29,7 @@ import onnx_ir as ir
 
 from lnfuse.load import trust
 from lnfuse.errors import InputError
+from lnfuse.index.ops import is_op
 
 #: external bytes lnfuse copies inline at load (everything but the main graph's weights: small constants, sparse
 #: parts, tensors in bodies and functions). These are small in real models (a Reshape target, an epsilon); the cap
@@ -225,7 +226,8 @@ class Gate:
                 value.const_value = GatedTensor(self, value.const_value)
                 found = True
         for node in model.graph:
-            attribute = node.attributes.get("value") if node.op_type == "Constant" else None
+            # any node's "value": an external tensor there is gated whatever op holds it
+            attribute = node.attributes.get("value")
             if attribute is not None and type(attribute.value) is ir.ExternalTensor:
                 node.attributes["value"] = ir.AttrTensor("value", GatedTensor(self, attribute.value),
                                                          doc_string=attribute.doc_string)
@@ -322,7 +324,7 @@ def ort_initializers(proto: onnx.ModelProto, gate: Gate | None
 
 def weight_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
     """The tensor a Constant node holds as its ``value`` (where code-form models keep their weights)."""
-    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+    if not is_op(node, "Constant"):
         return None
     return next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None)
 

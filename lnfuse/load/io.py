@@ -26,6 +26,7 @@ from lnfuse.load.repair import declare_output_shapes, repair
 from lnfuse.index.demand import PendingShapes, infer_shapes_deferred
 from lnfuse.index.shapes import TypesDisagree, infer_function_types, infer_shapes, type_error
 from lnfuse.index.traversal import every_graph, every_proto_node
+from lnfuse.index.ops import onnx_op
 
 
 @dataclass
@@ -166,7 +167,7 @@ def _without_ort_only_ops(proto: onnx.ModelProto, ops: set[str]) -> onnx.ModelPr
     """A copy whose ``ops`` (from ``_ort_only_ops``) are in a domain of their own, which onnx does not check."""
     copy = onnx.ModelProto.FromString(proto.SerializeToString())
     for node in every_proto_node(copy):
-        if node.op_type in ops and node.domain in ("", "ai.onnx"):
+        if onnx_op(node) in ops:
             node.domain = _ORT_DOMAIN
     for imports in [copy.opset_import, *(f.opset_import for f in copy.functions)]:
         imports.append(onnx.helper.make_opsetid(_ORT_DOMAIN, 1))
@@ -175,9 +176,9 @@ def _without_ort_only_ops(proto: onnx.ModelProto, ops: set[str]) -> onnx.ModelPr
 
 def _large_constants(graph: onnx.GraphProto) -> dict[int, onnx.TensorProto]:
     """The Constant nodes holding weights (onnxscript's code form writes weights so), by position; the skeleton sees
-    them as graph inputs. op_type is read first: a big graph has few Constants."""
+    them as graph inputs."""
     return {i: tensor for i, node in enumerate(graph.node)
-            if node.op_type == "Constant" and (tensor := weight_value(node)) is not None
+            if (tensor := weight_value(node)) is not None
             and math.prod(tensor.dims) > WEIGHT_ELEMENTS}
 
 

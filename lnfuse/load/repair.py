@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import onnx
 
 from lnfuse.errors import InputError
+from lnfuse.index.ops import is_op
 
 
 def repair(proto: onnx.ModelProto, where: str) -> None:
@@ -268,7 +269,7 @@ def _last_initializer_of_each_name(graph: onnx.GraphProto) -> None:
     """Two initializers of one name in the main graph, or an initializer and a Constant node's output: ORT uses the
     one it meets last, the Constant after every initializer (and warns). Keep that one. In a body ORT refuses the
     duplicate, and the checker refuses it too."""
-    constants = {out for node in graph.node if node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+    constants = {out for node in graph.node if is_op(node, "Constant")
                  for out in node.output}
     last = {t.name: i for i, t in enumerate(graph.initializer)}
     if len(last) == len(graph.initializer) and constants.isdisjoint(last):

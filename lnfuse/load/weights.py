@@ -19,6 +19,7 @@ from onnx_ir import _core
 
 from lnfuse.load import wire
 from lnfuse.errors import InputError
+from lnfuse.index.ops import is_op
 
 #: weights with at most this many elements are parsed with the model: shape inference may need their values
 MAX_PARSED_ELEMENTS = 1024
@@ -157,8 +158,8 @@ def attach(model: ir.Model, weights: FileWeights) -> SourceWeights:
     for value in model.graph.initializers.values():
         value.const_value = inline(value.const_value) or value.const_value
     for node in model.graph:
-        attribute = node.attributes.get("value") if node.op_type == "Constant" else None
-        if attribute is not None and attribute.type == ir.AttributeType.TENSOR and node.domain in ("", "ai.onnx"):
+        attribute = node.attributes.get("value") if is_op(node, "Constant") else None
+        if attribute is not None and attribute.type == ir.AttributeType.TENSOR:
             tensor = inline(attribute.value)
             if tensor is not None:
                 node.attributes["value"] = ir.AttrTensor("value", tensor, doc_string=attribute.doc_string)

@@ -27,6 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.index.constants import is_static, static_value
+from lnfuse.index.ops import is_op, onnx_op
 
 CHAIN = frozenset({"Add", "Sub", "Neg", "Mul", "Div", "Reciprocal", "Pow", "Sqrt", "Identity"})
 #: ops that hand on one operand unchanged where a proof says so (``_guarded``): clamps at 0 of a quantity that is
@@ -105,22 +106,22 @@ def power_view(value: ir.Value, static: dict | None = None) -> tuple[ir.Value, F
     """``(base, p, c, node)`` when ``value`` is ``c * base ** p`` by one node: Identity, Sqrt, Reciprocal, Pow,
     Div(1, base), Neg, or a product or quotient with a one-element constant (``ReduceSum(x) / N``)."""
     node = value.producer()
-    if node is None or not _is_onnx(node) or node.op_type not in POWERS or node.outputs[0] is not value:
+    if node is None or onnx_op(node) not in POWERS or node.outputs[0] is not value:
         return None
     ins = node.inputs
-    if node.op_type == "Identity":
+    if is_op(node, "Identity"):
         # paddle2onnx writes one after nearly every op: a mean read by two twin Subs is an Identity's output
         return ins[0], Fraction(1), 1.0, node
-    if node.op_type == "Sqrt":
+    if is_op(node, "Sqrt"):
         return ins[0], Fraction(1, 2), 1.0, node
-    if node.op_type == "Reciprocal":
+    if is_op(node, "Reciprocal"):
         return ins[0], Fraction(-1), 1.0, node
-    if node.op_type == "Neg":
+    if is_op(node, "Neg"):
         return ins[0], Fraction(1), -1.0, node
-    if node.op_type == "Pow":
+    if is_op(node, "Pow"):
         p = _scalar(ins[1], node, static)
         return (ins[0], p, 1.0, node) if p is not None else None
-    if node.op_type == "Mul":
+    if is_op(node, "Mul"):
         for i in (0, 1):
             c = _scalar(ins[i], node, static)
             if c is not None:
@@ -154,12 +155,12 @@ def key(value: ir.Value, depth: int = _KEY_DEPTH, memo: dict | None = None) -> t
 
 def _key(value: ir.Value, depth: int, memo: dict | None) -> tuple:
     node = value.producer()
-    if node is None or node.op_type == "Constant":
+    if node is None or is_op(node, "Constant"):
         # exporters write the same axes or exponent as separate initializers: equal numbers are the same value
         found = _constant_key(value)
         if found is not None:
             return found
-    if node is None or depth == 0 or not _is_onnx(node) or node.op_type in _IMPURE or node.op_type == "Constant" or \
+    if node is None or depth == 0 or onnx_op(node) in (None, *_IMPURE) or is_op(node, "Constant") or \
             any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) or a.is_ref()
                 for a in node.attributes.values()):
         return ("value", id(value))
@@ -180,12 +181,9 @@ def _constant_key(value: ir.Value) -> tuple | None:
     return None if array is None else ("const", array.dtype.str, array.shape, array.tobytes())
 
 
-def _is_onnx(node: ir.Node) -> bool:
-    return node.domain in ("", "ai.onnx")
-
 
 def _is_chain(node: ir.Node | None) -> bool:
-    return node is not None and _is_onnx(node) and node.op_type in CHAIN | GUARDS | VIEWS and \
+    return node is not None and onnx_op(node) in CHAIN | GUARDS | VIEWS and \
         len(node.outputs) == 1
 
 
@@ -297,14 +295,14 @@ def transposed_top(value: ir.Value, views: tuple[ir.Node, ...]) -> ir.Value | No
         return None
     top = value
     for node in reversed(views):
-        if node.op_type != "Transpose" or node.inputs[0] is not top:
+        if not is_op(node, "Transpose") or node.inputs[0] is not top:
             return None
         top = node.outputs[0]
     return top
 
 
 def _expand_node(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
-    op = node.op_type
+    op = onnx_op(node)
     ins = node.inputs
     if op == "Identity":
         return _expand(ins[0], walk)
@@ -433,9 +431,9 @@ def uniform(value: ir.Value | None, static: dict | None = None, depth: int = 0) 
     if value is None or depth > _KEY_DEPTH * 2:
         return None
     node = value.producer()
-    if node is not None and _is_onnx(node) and node.op_type in _MOVES and node.outputs[0] is value:
+    if node is not None and onnx_op(node) in _MOVES and node.outputs[0] is value:
         return uniform(node.inputs[0], static, depth + 1)
-    if node is not None and _is_onnx(node) and node.op_type == "ConstantOfShape":
+    if node is not None and is_op(node, "ConstantOfShape"):
         fill = node.attributes.get("value")
         if fill is None:
             return 0.0
@@ -479,9 +477,9 @@ def _viewed(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
     source = node.inputs[0]
     if source is None:
         return None
-    if node.op_type == "Expand":
+    if is_op(node, "Expand"):
         return _expand(source, walk) if _same_shape(node.outputs[0], source) else None
-    if node.op_type == "Transpose":
+    if is_op(node, "Transpose"):
         if transpose_perm(node) is None:
             return None
         terms = _expand(source, walk)
@@ -503,7 +501,7 @@ def transpose_perm(node: ir.Node) -> list[int] | None:
     """The permutation of a Transpose whose input rank is known (the default reverses the axes): output axis i is
     input axis perm[i]. None when it is not a permutation of the input's axes."""
     source = node.inputs[0] if node.inputs else None
-    if source is None or source.shape is None or not _is_onnx(node):
+    if source is None or source.shape is None or onnx_op(node) is None:
         return None
     rank = len(source.shape)
     attr = node.attributes.get("perm")
@@ -533,7 +531,7 @@ def view_axes(views: tuple[ir.Node, ...], rank: int) -> list[int] | None:
 
 def _view_step(node: ir.Node) -> list[int] | None:
     """Input axis -> output axis of one view."""
-    if node.op_type == "Transpose":
+    if is_op(node, "Transpose"):
         perm = transpose_perm(node)
         return None if perm is None else [perm.index(a) for a in range(len(perm))]
     have, want = list(node.inputs[0].shape), list(node.outputs[0].shape)
@@ -548,7 +546,7 @@ def _view_step(node: ir.Node) -> list[int] | None:
 def _views_key(views: tuple[ir.Node, ...]) -> tuple:
     """Views that move elements alike: Transposes by their permutation (twin Transposes of one value are one
     factor), other views by node."""
-    return tuple(("Transpose", tuple(transpose_perm(n) or ())) if n.op_type == "Transpose" else ("node", id(n))
+    return tuple(("Transpose", tuple(transpose_perm(n) or ())) if is_op(n, "Transpose") else ("node", id(n))
                  for n in views)
 
 
@@ -569,7 +567,7 @@ def _inserts_unit_dims(node: ir.Node) -> bool:
 
 
 def _guarded(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
-    op = node.op_type
+    op = onnx_op(node)
     if op == "Where":
         return _where(node, walk)
     operand = _clamped_at_zero(node, walk.static)
@@ -583,15 +581,15 @@ def _guarded(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
 def _clamped_at_zero(node: ir.Node, static: dict | None) -> ir.Value | None:
     """v when the node is ``Max(v, 0)`` (either order), ``Relu(v)`` or ``Clip(v, 0)`` with no upper bound (or +inf)."""
     ins = [v for v in node.inputs]
-    if node.op_type == "Relu":
+    if is_op(node, "Relu"):
         return ins[0]
-    if node.op_type == "Max" and len(ins) == 2 and None not in ins:
+    if is_op(node, "Max") and len(ins) == 2 and None not in ins:
         for i in (0, 1):
             c = _scalar(ins[i], node, static)
             if c is not None and c == 0:
                 return ins[1 - i]
         return None
-    if node.op_type == "Clip" and ins and ins[0] is not None:
+    if is_op(node, "Clip") and ins and ins[0] is not None:
         low = ins[1] if len(ins) > 1 else None
         high = ins[2] if len(ins) > 2 else None
         lo = _scalar(low, node, static) if low is not None else node.attributes.get("min")
@@ -644,7 +642,7 @@ def _take_cone(values: list[ir.Value], guard: ir.Node, walk: _Walk) -> None:
     todo = [v.producer() for v in values if v is not None]
     while todo and len(cone) < _MAX_CONE:
         node = todo.pop(0)
-        if node is None or node in cone or node in walk.nodes or not _is_onnx(node) or \
+        if node is None or node in cone or node in walk.nodes or onnx_op(node) is None or \
                 any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
             continue
         if any(out.is_graph_output() or any(user is not guard and user not in cone for user, _ in out.uses())
@@ -682,9 +680,9 @@ def _implies_constant(cond: ir.Value, centred: tuple, static: dict | None) -> bo
     while todo and len(conjuncts) < _MAX_TERMS:
         value = todo.pop()
         node = value.producer() if value is not None else None
-        if node is not None and _is_onnx(node) and node.op_type == "And" and None not in node.inputs:
+        if node is not None and is_op(node, "And") and None not in node.inputs:
             todo.extend(node.inputs)
-        elif node is not None and _is_onnx(node) and node.op_type == "Equal" and len(node.inputs) == 2 and \
+        elif node is not None and is_op(node, "Equal") and len(node.inputs) == 2 and \
                 None not in node.inputs:
             conjuncts.append(node)
     x_key, where = centred
@@ -697,7 +695,7 @@ def _implies_constant(cond: ir.Value, centred: tuple, static: dict | None) -> bo
             continue
         for diff, zero in (node.inputs, node.inputs[::-1]):
             sub = diff.producer()
-            if uniform(zero, static) != 0 or sub is None or not _is_onnx(sub) or sub.op_type != "Sub" or \
+            if uniform(zero, static) != 0 or sub is None or not is_op(sub, "Sub") or \
                     key(sub.inputs[0]) != key(sub.inputs[1]):
                 continue
             mean = _moment(Factor(sub.inputs[0], Fraction(1)), 1.0, static)
@@ -708,7 +706,7 @@ def _implies_constant(cond: ir.Value, centred: tuple, static: dict | None) -> bo
 
 def _reduction(node: ir.Node | None, static: dict | None) -> tuple[str, tuple, int, ir.Value] | None:
     """(op, axes as negative numbers, keepdims, input) of a reduction over known axes."""
-    if node is None or not _is_onnx(node) or node.op_type not in _REDUCTIONS or not node.inputs or \
+    if node is None or onnx_op(node) not in _REDUCTIONS or not node.inputs or \
             node.inputs[0] is None or node.inputs[0].shape is None:
         return None
     rank = len(node.inputs[0].shape)

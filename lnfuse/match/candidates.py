@@ -22,6 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.index.constants import static_value
+from lnfuse.index.ops import is_op, onnx_op, op_name
 
 #: which rule's reasons explain a candidate of each kind (a centred norm is not an RMS near-miss)
 RULE_OF_KIND = {"centred": "layer_norm", "uncentred": "rms_norm"}
@@ -70,7 +71,7 @@ def find(graph: ir.Graph | ir.Function) -> list[Statistics]:
     """Every norm-like candidate of ``graph`` (not of its subgraphs: each is a scope of its own), in graph order."""
     found = []
     for node in graph:
-        if node.op_type in _FIRST_MOMENT or node.op_type in _SQUARING:
+        if onnx_op(node) in _FIRST_MOMENT or onnx_op(node) in _SQUARING:
             if node.domain in ("", "ai.onnx") and (stats := _candidate(node)) is not None:
                 found.append(stats)
     return found
@@ -100,7 +101,7 @@ def _candidate(reduce: ir.Node) -> Statistics | None:
             means.append(mean)
     kind = "centred" if means else "uncentred"
     nodes = list(dict.fromkeys([*means, reduce, *path]))
-    quantizers = [n for n in path if n.op_type == "QuantizeLinear"]
+    quantizers = [n for n in path if is_op(n, "QuantizeLinear")]
     return Statistics(kind, reduce, means, inverse, nodes, spelling, quantizers)
 
 
@@ -110,7 +111,7 @@ def _producer(value: ir.Value | None) -> ir.Node | None:
     """The producer of ``value`` past views (Cast, Identity, a quantization round trip...)."""
     node = value.producer() if value is not None else None
     for _ in range(_BACK_STEPS):
-        if node is None or node.op_type not in _VIEWS or not node.inputs:
+        if node is None or onnx_op(node) not in _VIEWS or not node.inputs:
             return node
         node = node.inputs[0].producer() if node.inputs[0] is not None else None
     return node
@@ -126,14 +127,14 @@ def _squared(reduce: ir.Node) -> tuple[ir.Value, Callable[[str], str]] | None:
     second moment."""
     if not reduce.inputs or reduce.inputs[0] is None:
         return None
-    if reduce.op_type in _SQUARING:
+    if onnx_op(reduce) in _SQUARING:
         return reduce.inputs[0], lambda d: _call(reduce, d)
     square = _producer(reduce.inputs[0])
     if square is None or len(square.inputs) < 2:
         return None
-    if square.op_type == "Pow" and _constant(square.inputs[1]) == 2.0:
+    if is_op(square, "Pow") and _constant(square.inputs[1]) == 2.0:
         return square.inputs[0], lambda d: _call(reduce, f"Pow({d}, 2)")
-    if square.op_type == "Mul" and _same(square.inputs[0], square.inputs[1]):
+    if is_op(square, "Mul") and _same(square.inputs[0], square.inputs[1]):
         return square.inputs[0], lambda d: _call(reduce, f"Mul({d}, {d})")
     return None
 
@@ -141,7 +142,7 @@ def _squared(reduce: ir.Node) -> tuple[ir.Value, Callable[[str], str]] | None:
 def _centring(base: ir.Value) -> tuple[ir.Node, list[ir.Node]] | None:
     """The mean ``base`` is centred by (x − mean, or mean − x), with the nodes from the mean to the Sub."""
     sub = _producer(base)
-    if sub is None or sub.op_type != "Sub" or len(sub.inputs) != 2:
+    if sub is None or not is_op(sub, "Sub") or len(sub.inputs) != 2:
         return None
     for operand in (sub.inputs[1], sub.inputs[0]):
         found = _mean_behind(operand, _BACK_STEPS)
@@ -156,13 +157,13 @@ def _mean_behind(value: ir.Value | None, budget: int) -> tuple[ir.Node, list[ir.
     node = value.producer() if value is not None else None
     if node is None or budget <= 0:
         return None
-    if node.op_type in _FIRST_MOMENT:
+    if onnx_op(node) in _FIRST_MOMENT:
         return node, []
-    if node.op_type in _VIEWS or node.op_type == "Div":
+    if onnx_op(node) in _VIEWS or is_op(node, "Div"):
         operands = node.inputs[:1]
-    elif node.op_type == "Mul":
+    elif is_op(node, "Mul"):
         operands = [v for v in node.inputs if v is not None and static_value(v) is None] or node.inputs
-    elif node.op_type == "Where":
+    elif is_op(node, "Where"):
         operands = node.inputs[1:]
     else:
         return None
@@ -178,8 +179,8 @@ def _square_of_mean(value: ir.Value | None) -> tuple[ir.Node, list[ir.Node]] | N
     node = _producer(value)
     if node is None or len(node.inputs) < 2:
         return None
-    if (node.op_type == "Mul" and _same(node.inputs[0], node.inputs[1])) or \
-            (node.op_type == "Pow" and _constant(node.inputs[1]) == 2.0):
+    if (is_op(node, "Mul") and _same(node.inputs[0], node.inputs[1])) or \
+            (is_op(node, "Pow") and _constant(node.inputs[1]) == 2.0):
         return _mean_behind(node.inputs[0], _BACK_STEPS)
     return None
 
@@ -187,25 +188,25 @@ def _square_of_mean(value: ir.Value | None) -> tuple[ir.Node, list[ir.Node]] | N
 def _numerator_means(inverse: ir.Node, path: list[ir.Node]) -> list[ir.Node]:
     """The means that centre what the inverse root scales (x − mean in (x − mean) / std), and the mean
     BatchNormalization is handed: a variance with a mean of its own still normalizes x − that mean."""
-    if inverse.op_type == "BatchNormalization":
+    if is_op(inverse, "BatchNormalization"):
         found = _mean_behind(inverse.inputs[3], _BACK_STEPS) if len(inverse.inputs) > 3 else None
         return [found[0]] if found else []
     scaled: list[ir.Value | None] = []
-    if inverse.op_type == "Div":
+    if is_op(inverse, "Div"):
         scaled.append(inverse.inputs[0])
     else:
         for reader, index in itertools.islice((use for out in inverse.outputs for use in out.uses()), 8):
-            if reader.op_type in ("Mul", "Div") and len(reader.inputs) == 2:
+            if onnx_op(reader) in ("Mul", "Div") and len(reader.inputs) == 2:
                 scaled.append(reader.inputs[1 - index])
     means = []
     for value in scaled:
         node = _producer(value)
-        if node is not None and node.op_type == "Mul":  # gamma · (x − mean)
+        if node is not None and is_op(node, "Mul"):  # gamma · (x − mean)
             candidates = [_producer(v) for v in node.inputs]
         else:
             candidates = [node]
         for sub in candidates:
-            if sub is not None and sub.op_type == "Sub" and (found := _centring(sub.outputs[0])) is not None:
+            if sub is not None and is_op(sub, "Sub") and (found := _centring(sub.outputs[0])) is not None:
                 means.append(found[0])
     return means
 
@@ -216,7 +217,7 @@ def _walk(reduce: ir.Node) -> tuple[ir.Node, list[ir.Node], tuple[ir.Node, list[
     """Breadth first from the second moment through ``_CARRY`` ops to the first inverse root or division by a
     root: (that node, the path to it, the mean of a one-pass variance met on the way). None if none is reached
     within ``_FORWARD_NODES`` nodes."""
-    rooted = reduce.op_type == "ReduceL2"
+    rooted = is_op(reduce, "ReduceL2")
     # (value, a root taken on the way, the path of nodes to it)
     frontier: list[tuple[ir.Value, bool, tuple[ir.Node, ...]]] = [(reduce.outputs[0], rooted, ())]
     seen: set[tuple[ir.Node, bool]] = set()
@@ -225,12 +226,12 @@ def _walk(reduce: ir.Node) -> tuple[ir.Node, list[ir.Node], tuple[ir.Node, list[
         following = []
         for value, root, path in frontier:
             for reader, index in value.uses():
-                if (reader, root) in seen or reader.domain not in ("", "ai.onnx"):
+                if (reader, root) in seen or onnx_op(reader) is None:
                     continue
                 seen.add((reader, root))
                 if len(seen) > _FORWARD_NODES:  # a value read by thousands of nodes is no norm's statistic
                     return None
-                op = reader.op_type
+                op = onnx_op(reader)
                 if _reaches_inverse(reader, index, root):
                     return reader, [*path, reader], one_pass
                 if op == "Sub" and index == 0 and one_pass is None:
@@ -244,7 +245,7 @@ def _walk(reduce: ir.Node) -> tuple[ir.Node, list[ir.Node], tuple[ir.Node, list[
 
 
 def _reaches_inverse(node: ir.Node, index: int, rooted: bool) -> bool:
-    op = node.op_type
+    op = onnx_op(node)
     if op == "BatchNormalization":
         return index == 4  # its variance: BatchNormalization computes (x − mean) / sqrt(var + eps)
     if op == "Pow":
@@ -265,7 +266,7 @@ def _constant(value: ir.Value | None) -> float | None:
 def _label_op(node: ir.Node) -> str:
     """The op as the report names it in a spelling: a reduction with its keepdims=0, a Reshape to a shape known
     only at run time, a Pow's exponent."""
-    op = node.op_type
+    op = op_name(node)
     if op.startswith("Reduce") and _keeps_no_dims(node):
         return f"{op}(keepdims=0)"
     if op in ("Reshape", "Expand") and len(node.inputs) > 1 and static_value(node.inputs[1]) is None:
@@ -292,7 +293,7 @@ def _over(reduce: ir.Node) -> str:
     """'over axis 1 of rank 3', 'over axes [-1]', 'over axes computed at run time'."""
     x = reduce.inputs[0] if reduce.inputs else None
     rank = len(x.shape) if x is not None and x.shape is not None else None
-    if reduce.op_type == "GlobalAveragePool":
+    if is_op(reduce, "GlobalAveragePool"):
         axes = list(range(2, rank)) if rank is not None else None
         if axes is None:
             return "over every axis after the second"

@@ -27,6 +27,7 @@ import onnx_ir as ir
 
 from lnfuse.match import algebra
 from lnfuse.index.constants import static_value
+from lnfuse.index.ops import is_op, onnx_op, op_key
 
 COMMUTATIVE = frozenset({"Add", "Mul"})
 #: ops whose result has each element where their input has it: what is matched below them is in their frame
@@ -180,7 +181,7 @@ class Op(Pattern):
 
     def _match(self, value, m):
         node = value.producer() if value is not None else None
-        if node is None or node.op_type not in self.op_types or _domain(node.domain) != self.domain:
+        if not is_op(node, *self.op_types, domain=self.domain):
             return
         if node.outputs[0] is not value:
             return
@@ -197,9 +198,9 @@ class Op(Pattern):
         m = m.add_node(node, self.name)
         actual = list(node.inputs[: len(self.inputs)])
         orders = [list(self.inputs)]
-        if node.op_type in COMMUTATIVE and len(self.inputs) == 2 and self.inputs[0] is not self.inputs[1]:
+        if onnx_op(node) in COMMUTATIVE and len(self.inputs) == 2 and self.inputs[0] is not self.inputs[1]:
             orders.append(orders[0][::-1])
-        if node.op_type in FRAME_KEEPING:
+        if onnx_op(node) in FRAME_KEEPING:
             for order in orders:
                 yield from _match_all(actual, order, m)
             return
@@ -388,17 +389,17 @@ def noop_source(node: ir.Node | None) -> ir.Value | None:
       its mask output read by nobody (the mask is a second result a fused op could not give back). An ``is_test=0``
       attribute (Dropout before opset 7) is training, not a no-op.
     """
-    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in NOOP_OPS or not node.inputs:
+    if onnx_op(node) not in NOOP_OPS or not node.inputs:
         return None
     source = node.inputs[0]
     if source is None or any(a.is_ref() for a in node.attributes.values()):
         return None
-    if node.op_type == "Identity":
+    if is_op(node, "Identity"):
         return source
-    if node.op_type == "Cast":
+    if is_op(node, "Cast"):
         to = attr_value(node, "to")
         return source if to is not None and source.type is not None and source.dtype == ir.DataType(to) else None
-    if node.op_type == "Reshape":
+    if is_op(node, "Reshape"):
         return source if len(node.inputs) == 2 and _reshapes_to_own_shape(source, node.inputs[1]) else None
     mask = node.outputs[1] if len(node.outputs) > 1 else None
     if mask is not None and (mask.uses() or mask.is_graph_output()) or attr_value(node, "is_test", 1) == 0:
@@ -415,7 +416,7 @@ def _reshapes_to_own_shape(data: ir.Value, target: ir.Value | None) -> bool:
     if target is None:
         return False
     shaper = target.producer()
-    if shaper is not None and shaper.op_type == "Shape" and shaper.domain in ("", "ai.onnx") \
+    if is_op(shaper, "Shape") \
             and shaper.inputs[0] is data and attr_value(shaper, "start", 0) == 0 and attr_value(shaper, "end") is None:
         return True
     if data.shape is None or not all(isinstance(d, int) for d in data.shape):
@@ -455,14 +456,14 @@ def noop_in_doubt(value: ir.Value | None, depth: int = 8) -> bool:
     of no-op kinds: the symbolic inference might prove it one, and a pattern read through it."""
     for _ in range(depth):
         node = value.producer() if value is not None else None
-        if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in NOOP_OPS or not node.inputs \
+        if onnx_op(node) not in NOOP_OPS or not node.inputs \
                 or node.inputs[0] is None:
             return False
         source = node.inputs[0]
         unknown_dim = source.shape is None or any(
             not isinstance(d, int) and (d.value is None or d.value.startswith("unk__")) for d in source.shape)
-        if noop_source(node) is None and ((node.op_type == "Cast" and source.type is None) or
-                                          (node.op_type == "Reshape" and unknown_dim)):
+        if noop_source(node) is None and ((is_op(node, "Cast") and source.type is None) or
+                                          (is_op(node, "Reshape") and unknown_dim)):
             return True
         value = source
     return False
@@ -494,7 +495,7 @@ def maybe_cast(p: Pattern, cast: str, name: str | None = None) -> Pattern:
 def _same_computation(node: ir.Node, twin: ir.Node, matched_inputs: int) -> bool:
     """A second node bound to an already bound name must compute the same thing: same op, same attributes, and the
     same values in the inputs the pattern does not look at (ReduceMean's axes, Unsqueeze's axes)."""
-    if (node.op_type, node.domain, len(node.inputs)) != (twin.op_type, twin.domain, len(twin.inputs)):
+    if (op_key(node), len(node.inputs)) != (op_key(twin), len(twin.inputs)):
         return False
     if [None if v is None else algebra.key(v) for v in node.inputs[matched_inputs:]] != \
             [None if v is None else algebra.key(v) for v in twin.inputs[matched_inputs:]]:
@@ -515,10 +516,6 @@ def _match_all(values: list, patterns: list, m: Match, framed: bool = False) -> 
         return
     for found in head.match(values[0], m.in_frame((values[0], ())) if framed else m):
         yield from _match_all(values[1:], patterns[1:], found, framed)
-
-
-def _domain(domain: str) -> str:
-    return "" if domain == "ai.onnx" else domain
 
 
 def attr_value(node: ir.Node, name: str, default: object = None) -> object:

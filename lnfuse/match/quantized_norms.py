@@ -15,6 +15,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from lnfuse.report import Report, Unfused
+from lnfuse.index.ops import is_op, onnx_op
 
 #: ops a QDQ quantizer or an exporter puts between the steps of a norm, which this search looks through
 _PASS = frozenset({"QuantizeLinear", "DequantizeLinear", "Cast"})
@@ -28,7 +29,7 @@ def quantized_norms(model: ir.Model, report: Report) -> list[Unfused]:
     reported = {name for entry in [*report.fused, *report.unfused] for name in entry.nodes}
     found = []
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.op_type != "ReduceMean" or node.name in reported or not _reduces_a_square(node):
+        if not is_op(node, "ReduceMean") or node.name in reported or not _reduces_a_square(node):
             continue
         rounding = _rounding_before_the_root(node)
         if rounding:
@@ -48,7 +49,7 @@ def rounding_reason(rounding: list[ir.Node]) -> str:
 def _through(value: ir.Value | None) -> ir.Node | None:
     """The producer of ``value``, looking through quantization pairs and Casts."""
     node = value.producer() if value is not None else None
-    while node is not None and node.op_type in _PASS:
+    while node is not None and onnx_op(node) in _PASS:
         node = node.inputs[0].producer()
     return node
 
@@ -57,10 +58,10 @@ def _reduces_a_square(reduce: ir.Node) -> bool:
     square = _through(reduce.inputs[0])
     if square is None or len(square.inputs) < 2:
         return False
-    if square.op_type == "Mul":
+    if is_op(square, "Mul"):
         return _through(square.inputs[0]) is _through(square.inputs[1]) is not None or \
             square.inputs[0] is square.inputs[1]
-    return square.op_type == "Pow"
+    return is_op(square, "Pow")
 
 
 def _rounding_before_the_root(reduce: ir.Node) -> list[ir.Node]:
@@ -74,11 +75,11 @@ def _rounding_before_the_root(reduce: ir.Node) -> list[ir.Node]:
                     if user in seen:
                         continue
                     seen.add(user)
-                    if user.op_type in ("Sqrt", "Reciprocal", "Div"):
+                    if onnx_op(user) in ("Sqrt", "Reciprocal", "Div"):
                         return rounding
-                    if user.op_type == "QuantizeLinear":
+                    if is_op(user, "QuantizeLinear"):
                         rounding.append(user)
-                    if user.op_type in _PASS or user.op_type == "Add":
+                    if onnx_op(user) in _PASS or is_op(user, "Add"):
                         following.append(user)
         frontier = following
     return []

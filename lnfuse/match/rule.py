@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from lnfuse.match.pattern import Match, Pattern
+from lnfuse.index.ops import known_op
 
 #: meta key on a new node's output that stays an absent optional output ("" in the saved model)
 ABSENT = "lnfuse.absent"
@@ -128,4 +129,4 @@ class Rule(abc.ABC):
 
     def anchor_nodes(self, m: Match) -> Iterable[ir.Node]:
         """The anchor nodes a match covers (so the report can tie refusals to candidates)."""
-        return (n for n in m.nodes if n.op_type in self.anchors)
+        return (n for n in m.nodes if known_op(n) in self.anchors)

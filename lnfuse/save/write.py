@@ -14,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse.errors import OutputError
+from lnfuse.index.ops import is_op
 from lnfuse.index.traversal import every_graph, every_node
 from lnfuse.load import trust, wire
 from lnfuse.load.gate import GatedTensor
@@ -287,8 +288,8 @@ def _write_tensor(out, tensor: ir.TensorProtocol, name: str | None, original, so
 
 
 def _constant_value(node: ir.Node) -> ir.Attr | None:
-    attribute = node.attributes.get("value") if node.op_type == "Constant" else None
-    if attribute is None or attribute.type != ir.AttributeType.TENSOR or node.domain not in ("", "ai.onnx"):
+    attribute = node.attributes.get("value") if is_op(node, "Constant") else None
+    if attribute is None or attribute.type != ir.AttributeType.TENSOR:
         return None
     return attribute
 

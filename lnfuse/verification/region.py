@@ -24,6 +24,7 @@ from lnfuse.index.constants import is_static, static_value
 from lnfuse.load.gate import Gate, ort_initializers
 from lnfuse.match.pattern import attr_value
 from lnfuse.match.rule import Replacement
+from lnfuse.index.ops import is_op, known_op, onnx_op
 
 #: (atol, rtol) by the dtype of the compared output
 TOLERANCE = {
@@ -207,7 +208,7 @@ class _Region:
         new_reads = _reads(rep.nodes, {v for n in rep.nodes for v in n.outputs})
         produced_old = {v for n in rep.region for v in n.outputs}
         old_reads = _reads(rep.region, produced_old)
-        ids = {n.inputs[1] for n in rep.region if n.op_type == "Gather"}
+        ids = {n.inputs[1] for n in rep.region if is_op(n, "Gather")}
         self.shapes_of: dict[ir.Value, ir.Node] = {}
         prelude, context = _shared_context(old_reads, new_reads, produced_old, ids, self.shapes_of)
         order = lambda n: position.get(n, len(position))  # noqa: E731
@@ -425,16 +426,16 @@ _ROW_WISE = {"LayerNormalization": "axis", "SimplifiedLayerNormalization": "axis
 
 
 def _fused_node(rep: Replacement) -> ir.Node | None:
-    return next((n for n in rep.nodes if n.op_type == rep.op_type and n.domain == rep.domain), None)
+    return next((n for n in rep.nodes if is_op(n, rep.op_type, domain=rep.domain)), None)
 
 
 def _row_shrink(rep: Replacement) -> dict[int, int]:
     """Static sizes of the fused op's rows, each mapped to a small size: verifying a row-wise op on a few rows
     proves it on any number. A row size equal to a normalized size is kept (the two cannot be told apart)."""
     node = _fused_node(rep)
-    if node is None or node.op_type not in _ROW_WISE or node.inputs[0] is None or not node.inputs[0].shape:
+    if node is None or known_op(node) not in _ROW_WISE or node.inputs[0] is None or not node.inputs[0].shape:
         return {}
-    shape, how = list(node.inputs[0].shape), _ROW_WISE[node.op_type]
+    shape, how = list(node.inputs[0].shape), _ROW_WISE[known_op(node)]
     axis = attr_value(node, "axis", -1) if how == "axis" else how
     rows, normalized = (shape, []) if axis is None else (shape[:axis % len(shape)], shape[axis % len(shape):])
     taken = {d for d in normalized if isinstance(d, int)}
@@ -455,9 +456,9 @@ def _guessed_shape(rep: Replacement) -> ir.Shape | None:
     then the scale's shape, with as many leading dims as a non-negative ``axis`` implies. Any consistent shape
     serves: the checks proved the region row-wise, and a wrong guess makes ORT fail, which refuses the rewrite."""
     node, scale = _fused_node(rep), _scale(rep)
-    if node is None or scale is None or node.op_type not in _ROW_WISE or _ROW_WISE[node.op_type] is None:
+    if node is None or scale is None or known_op(node) not in _ROW_WISE or _ROW_WISE[known_op(node)] is None:
         return None
-    axis = attr_value(node, "axis", -1) if _ROW_WISE[node.op_type] == "axis" else -1
+    axis = attr_value(node, "axis", -1) if _ROW_WISE[known_op(node)] == "axis" else -1
     leading = axis if axis >= 0 else 2
     return ir.Shape([2, 3, 4, 5][:leading] + list(scale.shape))
 
@@ -524,11 +525,11 @@ def _derive(value: ir.Value, known: set, context: list[ir.Node], depth: int = 0,
         return False
     if node in context:
         return True
-    if node.op_type == "Shape" and node.inputs[0] in avoid and shapes_of is not None \
+    if is_op(node, "Shape") and node.inputs[0] in avoid and shapes_of is not None \
             and node.inputs[0].shape is not None:
         shapes_of[value] = node  # fed as the concrete shape of the region's value
         return True
-    if node.op_type == "Shape" and node.inputs[0] not in avoid or all(
+    if is_op(node, "Shape") and node.inputs[0] not in avoid or all(
             v is None or _derive(v, known, context, depth + 1, from_inputs, avoid, shapes_of) for v in node.inputs):
         context.append(node)
         return True
@@ -541,7 +542,7 @@ def _id_bounds(nodes: Sequence[ir.Node]) -> dict[ir.Value, int]:
     bounds: dict[ir.Value, int] = {}
     inside = set(nodes)
     for node in nodes:
-        table = node.inputs[0] if node.op_type == "Gather" else None
+        table = node.inputs[0] if is_op(node, "Gather") else None
         if table is None or table.shape is None or not isinstance(table.shape[0], int) \
                 or attr_value(node, "axis", 0) != 0:
             continue
@@ -549,7 +550,7 @@ def _id_bounds(nodes: Sequence[ir.Node]) -> dict[ir.Value, int]:
         while True:
             bounds[ids] = min(bound, bounds.get(ids, bound))
             source = ids.producer()
-            if source is None or source not in inside or source.op_type not in ID_MOVES:
+            if source is None or source not in inside or onnx_op(source) not in ID_MOVES:
                 break
             ids = source.inputs[0]
     return bounds
@@ -568,9 +569,9 @@ def _quantizers(value: ir.Value) -> list[tuple[list[ir.Node], ir.Node]]:
                 constant_operands = all(is_static(v) and not _large(v) for v in others)
                 if reader.domain not in ("", "ai.onnx") or not constant_operands or len(reader.outputs) != 1:
                     continue
-                if reader.op_type == "QuantizeLinear" and index == 0:
+                if is_op(reader, "QuantizeLinear") and index == 0:
                     found.append((walk, reader))
-                elif reader.op_type in ELEMENTWISE:
+                elif onnx_op(reader) in ELEMENTWISE:
                     following.append((reader.outputs[0], walk + [reader]))
         frontier = following
     return found
@@ -608,14 +609,14 @@ def _tables(nodes: Sequence[ir.Node]) -> dict[ir.Value, set[int]]:
     one), each with the rows that constant ids pick (fed ids are drawn below ``_TABLE_ROWS``)."""
     tables: dict[ir.Value, set[int]] = {}
     for node in nodes:
-        if node.op_type != "Gather":
+        if not is_op(node, "Gather"):
             continue
         rows = tables.setdefault(node.inputs[0], set())
         ids = static_value(node.inputs[1]) if is_static(node.inputs[1]) else None
         if ids is not None and ids.size <= _LARGE and attr_value(node, "axis", 0) == 0:
             rows.update(int(i) for i in ids.reshape(-1))
     for node in nodes:
-        if node.op_type == "DequantizeLinear" and node.outputs[0] in tables:
+        if is_op(node, "DequantizeLinear") and node.outputs[0] in tables:
             tables.setdefault(node.inputs[0], set()).update(tables[node.outputs[0]])
     return tables
 

@@ -12,6 +12,7 @@ from lnfuse.errors import InputError, UsageError, first_line
 from lnfuse.load.gate import Gate
 from lnfuse.index.library_budget import first_oversized
 from lnfuse.verification.region import BUDGET, ID_MOVES, TOLERANCE, compare, dim_size, session
+from lnfuse.index.ops import is_op, onnx_op
 
 #: sizes tried for the spatial dims of an image (read by a 2-D or 3-D Conv) or a signal (a 1-D Conv), in order: the
 #: sizes models are trained at come first, since a position table may fix them; each try is one run of the model
@@ -90,32 +91,32 @@ class _InputPlan:
         """Walk from a graph input along ops that keep its axes to the Convs and Gathers that read it: ``axes``
         maps each axis of ``name`` to the input's axis (None for an inserted one)."""
         for node, index in readers.get(name, ()):
-            if node.op_type in ("Conv", "ConvTranspose") and index == 0:
+            if onnx_op(node) in ("Conv", "ConvTranspose") and index == 0:
                 self._conv(node, axes, source, initializers)
-            elif node.op_type == "Gather" and index == 1 and node.input[0] in initializers:
+            elif is_op(node, "Gather") and index == 1 and node.input[0] in initializers:
                 rows = initializers[node.input[0]].dims[_axis(node) if _axis(node) >= 0 else 0]
                 self.bounds[source] = min(self.bounds.get(source, rows), rows)
-            elif node.op_type in ID_MOVES and index == 0 and node.op_type != "Unsqueeze":
-                if node.op_type in ("Cast", "Identity"):
+            elif onnx_op(node) in ID_MOVES and index == 0 and not is_op(node, "Unsqueeze"):
+                if onnx_op(node) in ("Cast", "Identity"):
                     self._follow(node.output[0], axes, source, readers, initializers)
                 else:
                     self._follow_ids(node.output[0], source, readers, initializers)
-            elif node.op_type == "Unsqueeze" and index == 0:
+            elif is_op(node, "Unsqueeze") and index == 0:
                 inserted = _unsqueeze_axes(node, initializers, len(axes))
                 if inserted is not None:
                     moved = list(axes)
                     for a in sorted(inserted):
                         moved.insert(a, None)
                     self._follow(node.output[0], moved, source, readers, initializers)
-            elif node.op_type in _SAME_AXES and index == 0:
+            elif onnx_op(node) in _SAME_AXES and index == 0:
                 self._follow(node.output[0], axes, source, readers, initializers)
 
     def _follow_ids(self, name: str, source: str, readers, initializers) -> None:
         for node, index in readers.get(name, ()):
-            if node.op_type == "Gather" and index == 1 and node.input[0] in initializers:
+            if is_op(node, "Gather") and index == 1 and node.input[0] in initializers:
                 rows = initializers[node.input[0]].dims[_axis(node) if _axis(node) >= 0 else 0]
                 self.bounds[source] = min(self.bounds.get(source, rows), rows)
-            elif node.op_type in ID_MOVES and index == 0:
+            elif onnx_op(node) in ID_MOVES and index == 0:
                 self._follow_ids(node.output[0], source, readers, initializers)
 
     def _conv(self, node: onnx.NodeProto, axes: list[int | None], source: str, initializers) -> None:
@@ -124,7 +125,7 @@ class _InputPlan:
         if weight is None or len(axes) < 3:
             return
         group = next((a.i for a in node.attribute if a.name == "group"), 1)
-        channels = weight.dims[1] * group if node.op_type == "Conv" else weight.dims[0]
+        channels = weight.dims[1] * group if is_op(node, "Conv") else weight.dims[0]
         if axes[1] is not None and isinstance(keys[axes[1]], str):
             self.fixed[keys[axes[1]]] = channels
         for axis in axes[2:]:
@@ -189,7 +190,7 @@ def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     """Initializers and Constant nodes' values, by name (only their dims are read, and a Unsqueeze's axes)."""
     constants = {t.name: t for t in graph.initializer}
     for node in graph.node:
-        if node.op_type == "Constant":
+        if is_op(node, "Constant"):
             value = next((a.t for a in node.attribute if a.name == "value"), None)
             if value is not None:
                 constants[node.output[0]] = value
