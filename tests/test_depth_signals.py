@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,3 +91,143 @@ def test_a_signal_to_a_many_model_run_leaves_no_temporary_file(tmp_path: Path, s
     assert _staging(out) == [], "no temporary folder"
     assert not [p for p in out.iterdir() if p.name != "lnfuse-ledger.jsonl"], "no partial output or data file"
     assert all((models / f"{n}.data").stat().st_size == 1 << 31 for n in "ab"), "the inputs are untouched"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# folders
+
+
+def _nest(root: Path, depth: int, leaf: str | None = None) -> None:
+    """``depth`` folders nested under ``root`` (paths far past PATH_MAX: made one level at a time through file
+    descriptors), with an empty file ``leaf`` at the bottom."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        fd, old = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+        os.close(old)
+    if leaf is not None:
+        os.close(os.open(leaf, os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    os.close(fd)
+
+
+def _unnest(root: Path) -> None:
+    """Remove what ``_nest`` made, bottom up without recursion (shutil.rmtree recurses once per level)."""
+    fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY)]
+    while "d" in os.listdir(fds[-1]):
+        fds.append(os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+    while fds:
+        fd = fds.pop()
+        for name in os.listdir(fd):
+            if name != "d":
+                os.unlink(name, dir_fd=fd)
+        if fds:
+            os.rmdir("d", dir_fd=fds[-1])
+        os.close(fd)
+
+
+@pytest.fixture(scope="module")
+def deep_tree():
+    # in memory where there is a tmpfs: 10,000 nested folders take 15 s to make on a busy ext4, 0.5 s there
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = Path(tempfile.mkdtemp(dir=shm, prefix="lnfuse-deep-"))
+    (root / "top.onnx").write_bytes(b"")
+    _nest(root, 10_000, "m.onnx")
+    yield root
+    _unnest(root)
+    os.rmdir(root)
+
+
+@pytest.mark.parametrize("how", ["folder", "glob"])
+def test_a_folder_nested_10000_deep_is_refused_at_once(tmp_path: Path, deep_tree: Path, how: str):
+    start = time.monotonic()
+    given = str(deep_tree) if how == "folder" else f"{deep_tree}/**/*.onnx"
+    proc = subprocess.run(_CLI + [given, "-o", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "nested more than 64 deep" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 20, "refused before walking the whole tree"
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# nested bodies
+
+
+def _nested_ifs(depth: int) -> onnx.ModelProto:
+    """``depth`` Ifs, each in the then-branch of the one above, built in memory (protobuf refuses to copy a message
+    nested past its limit, so each level is added in place)."""
+    model = onnx.ModelProto(ir_version=8)
+    model.opset_import.add(domain="", version=17)
+    graph, out = model.graph, "y"
+    graph.name = "g"
+    graph.input.extend([oh.make_tensor_value_info("c", TensorProto.BOOL, []),
+                        oh.make_tensor_value_info("x", TensorProto.FLOAT, [2])])
+    graph.output.append(oh.make_tensor_value_info(out, TensorProto.FLOAT, [2]))
+    for k in range(depth):
+        node = graph.node.add(op_type="If", input=["c"], output=[out], name=f"if{k}")
+        other = node.attribute.add(name="else_branch", type=onnx.AttributeProto.GRAPH)
+        other.g.name = f"e{k}"
+        other.g.node.append(oh.make_node("Neg", ["x"], [f"e{k}"]))
+        other.g.output.append(oh.make_tensor_value_info(f"e{k}", TensorProto.FLOAT, [2]))
+        then = node.attribute.add(name="then_branch", type=onnx.AttributeProto.GRAPH)
+        graph, out = then.g, f"t{k}"
+        graph.name = out
+        graph.output.append(oh.make_tensor_value_info(out, TensorProto.FLOAT, [2]))
+    graph.node.append(oh.make_node("Identity", ["x"], [out]))
+    return model
+
+
+def test_bodies_nested_as_deep_as_a_file_holds_are_fused(tmp_path: Path):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_nested_ifs(30).SerializeToString())
+    proc = subprocess.run(_CLI + [str(path), "-o", str(tmp_path / "o.onnx"), "-q"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    import onnxruntime as ort
+    ort.InferenceSession(str(tmp_path / "o.onnx"), providers=["CPUExecutionProvider"])
+
+
+def test_bodies_nested_10000_deep_are_refused(tmp_path: Path):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_nested_ifs(10_000).SerializeToString())
+    proc = subprocess.run(_CLI + [str(path), "-o", str(tmp_path / "o.onnx")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "nested deeper than a model file can hold" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def _nested_ir(depth: int):
+    """``depth`` Ifs, each in the then-branch of the one above, as an onnx_ir model."""
+    import onnx_ir as ir
+
+    c = ir.Value(name="c", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]))
+
+    def typed(node, name: str):
+        node.outputs[0].name = name
+        node.outputs[0].type, node.outputs[0].shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([2])
+        return node
+
+    body = None
+    for k in range(depth):
+        inner = typed(ir.node("Identity", [x]), f"i{k}") if body is None else None
+        if body is not None:
+            other = typed(ir.node("Neg", [x]), f"e{k}")
+            inner = typed(ir.node("If", [c], {"then_branch": body, "else_branch": ir.Graph(
+                [], other.outputs, nodes=[other], name=f"eb{k}")}), f"t{k}")
+        body = ir.Graph([], inner.outputs, nodes=[inner], name=f"b{k}")
+    other = typed(ir.node("Neg", [x]), "e")
+    top = typed(ir.node("If", [c], {"then_branch": body,
+                                    "else_branch": ir.Graph([], other.outputs, nodes=[other], name="eb")}), "y")
+    graph = ir.Graph([c, x], top.outputs, nodes=[top], name="g", opset_imports={"": 17})
+    return ir.Model(graph, ir_version=8)
+
+
+@pytest.mark.parametrize("kind", ["proto", "onnx_ir"])
+def test_bodies_nested_10000_deep_in_memory_are_refused_by_the_api(kind: str):
+    import lnfuse
+    from lnfuse.errors import InputError
+
+    model = _nested_ifs(10_000) if kind == "proto" else _nested_ir(10_000)
+    with pytest.raises(InputError, match="nested deeper than a model file can hold"):
+        lnfuse.fuse(model)
