@@ -231,3 +231,101 @@ def test_bodies_nested_10000_deep_in_memory_are_refused_by_the_api(kind: str):
     model = _nested_ifs(10_000) if kind == "proto" else _nested_ir(10_000)
     with pytest.raises(InputError, match="nested deeper than a model file can hold"):
         lnfuse.fuse(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# value chains 10,000 long
+
+
+def _chain_under_a_shape(op: str, length: int = 10_000) -> onnx.ModelProto:
+    """A lookup ``Gather(table, ids)`` then ``length`` ops, under a Shape that feeds the output (the Shape's source
+    is walked back to tell its shape from the ids')."""
+    import numpy as np
+    import onnx.numpy_helper as onh
+
+    nodes, prev = [oh.make_node("Gather", ["table", "ids"], ["v0"])], "v0"
+    for k in range(length):
+        if op == "Gather":  # one index along the last axis, keeping the rank
+            nodes.append(oh.make_node("Gather", [prev, "i"], [f"v{k + 1}"], axis=-1))
+        elif op == "Add":
+            nodes.append(oh.make_node("Add", [prev, "zero"], [f"v{k + 1}"]))
+        else:
+            nodes.append(oh.make_node(op, [prev], [f"v{k + 1}"]))
+        prev = f"v{k + 1}"
+    nodes.append(oh.make_node("Shape", [prev], ["s"]))
+    inits = [onh.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "table"),
+             onh.from_array(np.array([0], np.int64), "i"), onh.from_array(np.array(0, np.float32), "zero")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+                          [oh.make_tensor_value_info("s", TensorProto.INT64, [3])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("op", ["Gather", "Identity", "Add"])
+def test_a_chain_10000_long_under_a_shape_is_left_as_it_is(tmp_path: Path, op: str):
+    import numpy as np
+    import onnxruntime as ort
+
+    path, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    model = _chain_under_a_shape(op)
+    onnx.save(model, path)
+    proc = subprocess.run(_CLI + [str(path), "-o", str(out), "-q"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    feeds = {"ids": np.array([[1, 2, 3], [4, 5, 6]], np.int64)}
+    runs = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, feeds) for p in (path, out)]
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# leftovers: a sparse initializer of text, an input with a 0 dim
+
+
+def test_a_sparse_initializer_of_strings_is_made_dense(tmp_path: Path):
+    import numpy as np
+    import onnxruntime as ort
+
+    sparse = oh.make_sparse_tensor(oh.make_tensor("text", TensorProto.STRING, [2], [b"a", b"b"]),
+                                   oh.make_tensor("at", TensorProto.INT64, [2], [0, 3]), [4])
+    graph = oh.make_graph([oh.make_node("Identity", ["text"], ["s"]), oh.make_node("Relu", ["x"], ["y"])], "g",
+                          [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2]),
+                           oh.make_tensor_value_info("s", TensorProto.STRING, [4])], sparse_initializer=[sparse])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    proc = subprocess.run(_CLI + [str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx"), "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    # ONNX Runtime cannot load the sparse original; the dense output holds what the sparse tensor means
+    session = ort.InferenceSession(str(tmp_path / "o.onnx"), providers=["CPUExecutionProvider"])
+    _, text = session.run(None, {"x": np.ones(2, np.float32)})
+    assert text.tolist() == ["a", "", "", "b"]
+
+
+@pytest.mark.parametrize("shape", [[0, 8], [2, 0], [0, 0]])
+def test_an_input_with_a_0_dim_is_fused_or_left_and_computes_the_same(tmp_path: Path, shape: list[int]):
+    import numpy as np
+    import onnx.numpy_helper as onh
+    import onnxruntime as ort
+
+    nodes = [oh.make_node("ReduceMean", ["x"], ["m"], axes=[-1]), oh.make_node("Sub", ["x", "m"], ["d"]),
+             oh.make_node("Pow", ["d", "two"], ["sq"]), oh.make_node("ReduceMean", ["sq"], ["var"], axes=[-1]),
+             oh.make_node("Add", ["var", "eps"], ["ve"]), oh.make_node("Sqrt", ["ve"], ["std"]),
+             oh.make_node("Div", ["d", "std"], ["y"])]
+    inits = [onh.from_array(np.array(2, np.float32), "two"), onh.from_array(np.array(1e-5, np.float32), "eps")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    proc = subprocess.run(_CLI + [str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx"), "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 2) and "Traceback" not in proc.stderr, proc.stderr
+    if proc.returncode == 0:
+        feeds = {"x": np.zeros(shape, np.float32)}
+        runs = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+                for p in (tmp_path / "m.onnx", tmp_path / "o.onnx")]
+        assert runs[0].shape == runs[1].shape == tuple(shape)
+    else:
+        assert len(proc.stderr.strip().splitlines()) == 1

@@ -465,6 +465,8 @@ def _densify_sparse(proto: onnx.ModelProto, where: str) -> None:
 
 
 def _itemsize(data_type: int, said: str) -> float:
+    if data_type == onnx.TensorProto.STRING:  # each element at least an object's reference (its text comes on top)
+        return np.dtype(object).itemsize
     try:
         return ir.DataType(data_type).itemsize
     except ValueError:
@@ -487,7 +489,8 @@ def _dense(sparse: onnx.SparseTensorProto, where: str) -> onnx.TensorProto:
     bounds = np.array([elements] if linear else dims, dtype=np.int64)
     if indices.size and ((indices < 0).any() or (indices >= bounds).any()):
         raise InputError(f"{said}: an index lies outside its shape {dims}; re-export the model")
-    flat = np.zeros(elements, dtype=values.dtype)
+    # the elements not listed are zero, and for text the empty string (what ONNX Runtime makes of them too)
+    flat = np.full(elements, b"", dtype=object) if values.dtype == object else np.zeros(elements, dtype=values.dtype)
     flat[indices if linear else np.ravel_multi_index(tuple(indices.T), dims)] = values
     return onnx.numpy_helper.from_array(flat.reshape(dims), sparse.values.name)
 
