@@ -766,7 +766,9 @@ def _copy_range(source, target, offset: int, length: int) -> None:
     read and write where the system cannot."""
     while length:
         try:
-            copied = os.copy_file_range(source.fileno(), target.fileno(), length, offset)
+            # 64 MiB a call: a signal (Ctrl-C, SIGTERM) is handled between calls, and one call of gigabytes
+            # can take longer than the grace a stopped worker has to clean up
+            copied = os.copy_file_range(source.fileno(), target.fileno(), min(length, 1 << 26), offset)
         except (AttributeError, OSError):
             copied = 0
         if not copied:

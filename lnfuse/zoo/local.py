@@ -26,7 +26,7 @@ from lnfuse.zoo.limits import available_memory, cap_memory, death
 #: one model left behind (fragmentation, caches) cannot make the next one fail
 _RETIRE = 0.7
 #: seconds a worker asked to stop (SIGTERM) has to clean up before it is killed
-_GRACE = 2.0
+_GRACE = 5.0
 
 
 class _Worker:
