@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "fuse" and argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(__doc__.strip())  # shown as it is: plain text, no markup
     args = _parser(command).parse_args(argv)
+    from lnfuse import interrupts
     try:
-        with contextlib.redirect_stdout(_ReaderMayLeave(sys.stdout)):
+        with interrupts.as_keyboard_interrupt(), contextlib.redirect_stdout(_ReaderMayLeave(sys.stdout)):
             if command == "fuse" and zoo_options.is_many(args):
                 from lnfuse.zoo.command import run as run_many
                 return run_many(args)
@@ -115,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     except LnfuseError as error:
         print(f"lnfuse: error: {error}", file=sys.stderr)
         return error.exit_code
-    except KeyboardInterrupt:
-        print("lnfuse: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM/SIGHUP raised as one (``interrupts``)
+        said = "" if type(interrupt) is KeyboardInterrupt else f" ({interrupts.name(interrupt)})"
+        print(f"lnfuse: interrupted{said}; nothing was written", file=sys.stderr)
+        return interrupts.exit_code(interrupt)
     except Exception as error:  # noqa: BLE001 - a user gets one line, never a traceback
         text = (str(error).strip().splitlines() or [""])[0][:300]
         print(f"lnfuse: internal error ({type(error).__name__}: {text}); nothing was written; please report it "

@@ -156,30 +156,47 @@ def _shape_from_ids(host: ir.Graph, shape: ir.Node, fresh_name: Callable[[str], 
     return True
 
 
+#: Gathers of one index along a trailing axis a lookup's shape is followed through: each drops an axis, and a table
+#: has a few (BART reads one); a longer chain is left as it is, not walked (its length is the model's to choose)
+_MAX_TRAILING_GATHERS = 8
+
+
 def _lookup_shape(value: ir.Value) -> tuple[ir.Value, list[int]] | None:
     """(ids, trailing dims) when ``value`` is ``Gather(table, ids)`` along axis 0 of a stored table, possibly followed
     by Gathers of one constant index along a trailing axis (BART reads ``inputs_embeds[:, :, -1]``): its shape is
     ids.shape + trailing."""
+    trailing_gathers: list[ir.Node] = []  # outermost first
     node = value.producer()
-    if node is None or not is_op(node, "Gather") or None in node.inputs:
+    while True:
+        if node is None or not is_op(node, "Gather") or None in node.inputs:
+            return None
+        if _gather_axis(node) == 0:
+            break
+        if len(trailing_gathers) == _MAX_TRAILING_GATHERS:
+            return None
+        trailing_gathers.append(node)
+        node = node.inputs[0].producer()
+    table = _stored_shape(node.inputs[0])
+    if table is None or not table:
         return None
-    data, index = node.inputs
-    axis = node.attributes["axis"].value if "axis" in node.attributes else 0
-    if axis == 0:
-        table = _stored_shape(data)
-        return None if table is None or not table else (index, table[1:])
-    inner = _lookup_shape(data)
-    if inner is None or inner[0].shape is None:
-        return None
-    ids, trailing = inner
-    rank, ids_rank = len(inner[0].shape) + len(trailing), len(inner[0].shape)
-    picked = static_value(index) if index.shape is not None and len(index.shape) == 0 else None
-    if picked is None or not -rank <= axis < rank or axis % rank < ids_rank:
-        return None
-    k = axis % rank - ids_rank
-    if not -trailing[k] <= int(picked) < trailing[k]:
-        return None
-    return ids, trailing[:k] + trailing[k + 1:]
+    ids, trailing = node.inputs[1], table[1:]
+    for gather in reversed(trailing_gathers):
+        if ids.shape is None:
+            return None
+        axis, index = _gather_axis(gather), gather.inputs[1]
+        rank, ids_rank = len(ids.shape) + len(trailing), len(ids.shape)
+        picked = static_value(index) if index.shape is not None and len(index.shape) == 0 else None
+        if picked is None or not -rank <= axis < rank or axis % rank < ids_rank:
+            return None
+        k = axis % rank - ids_rank
+        if not -trailing[k] <= int(picked) < trailing[k]:
+            return None
+        trailing = trailing[:k] + trailing[k + 1:]
+    return ids, trailing
+
+
+def _gather_axis(node: ir.Node) -> int:
+    return node.attributes["axis"].value if "axis" in node.attributes else 0
 
 
 def _stored_shape(table: ir.Value) -> list[int] | None:

@@ -14,12 +14,17 @@ import onnx_ir as ir
 
 
 def every_node(graph: ir.Graph | ir.Function) -> Iterator[ir.Node]:
-    """The nodes of ``graph`` in order, each followed by the nodes of its subgraphs."""
-    for node in graph:
+    """The nodes of ``graph`` in order, each followed by the nodes of its subgraphs (a stack of the graphs being
+    walked, not a recursion: an onnx_ir model built in memory can nest bodies at any depth)."""
+    stack = [iter(graph)]
+    while stack:
+        node = next(stack[-1], None)
+        if node is None:
+            stack.pop()
+            continue
         yield node
         if node.attributes:
-            for sub in subgraphs(node):
-                yield from every_node(sub)
+            stack += [iter(sub) for sub in reversed(list(subgraphs(node)))]
 
 
 def subgraphs(node: ir.Node) -> Iterator[ir.Graph]:

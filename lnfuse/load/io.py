@@ -56,11 +56,60 @@ def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | 
     try:
         proto, weights = _parse(p)
     except (DecodeError, RuntimeError, ValueError, OSError) as error:
+        if _MAX_DEPTH_SAID in str(error):
+            raise _too_deep(str(p)) from None
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise InputError(f"{p}: not a readable ONNX model (truncated or not ONNX: {first}); re-export it") from None
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise InputError(f"{p}: not an ONNX model (no graph or IR version); re-export it")
     return proto, weights
+
+
+#: what protobuf says of a message nested past its limit (100 messages deep)
+_MAX_DEPTH_SAID = "MaxDepth"
+#: If/Loop/Scan bodies nested in one another that a model file can hold: protobuf reads no message nested more than
+#: 100 deep (nor does ONNX Runtime's reader), each body is three messages (node, attribute, graph) below its graph,
+#: and a value's type takes five more. A model built in memory deeper than that could never be read back
+MAX_NESTED_BODIES = 30
+
+
+def _too_deep(where: str) -> InputError:
+    return InputError(f"{where}: If/Loop/Scan bodies (or types) nested deeper than a model file can hold (protobuf "
+                      f"reads 100 messages deep, some {MAX_NESTED_BODIES} levels of bodies); ONNX Runtime cannot load it "
+                      "either, flatten the nesting")
+
+
+def _copied(source: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a caller's proto, read back as a file would be (so nested no deeper than protobuf reads)."""
+    try:
+        return onnx.ModelProto.FromString(source.SerializeToString())
+    except DecodeError as error:
+        if _MAX_DEPTH_SAID in str(error):
+            raise _too_deep("model") from None
+        raise InputError(f"model: not a valid ONNX model ({first_line(error)})") from None
+
+
+def _serialized(source: ir.Model) -> onnx.ModelProto:
+    """The proto of a caller's onnx_ir model. Its bodies' nesting is measured first, with a stack: onnx_ir's
+    serializer recurses once per level."""
+    stack = [(graph, 1) for graph in [source.graph, *source.functions.values()]]
+    while stack:
+        graph, depth = stack.pop()
+        for node in graph:
+            for attribute in node.attributes.values():
+                if attribute.type == ir.AttributeType.GRAPH:
+                    bodies = [attribute.value]
+                elif attribute.type == ir.AttributeType.GRAPHS:
+                    bodies = list(attribute.value)
+                else:
+                    continue
+                if depth > MAX_NESTED_BODIES:
+                    raise _too_deep("model")
+                stack += [(body, depth + 1) for body in bodies]
+    try:
+        return ir.serde.serialize_model(source)
+    except RecursionError:  # types nested past any limit (a sequence of a sequence of ...), by a library's walk
+        raise _too_deep("model") from None
 
 
 #: onnx.load's text formats, chosen by file extension like onnx does
@@ -273,10 +322,10 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
         if isinstance(source, ir.Model):
             # serializing makes the copy lnfuse works on (the caller's model is never modified); external tensors
             # keep pointing at their files
+            proto = _serialized(source)
             base_dir = _one_base_dir(source)
-            proto = ir.serde.serialize_model(source)
         else:
-            proto = onnx.ModelProto.FromString(source.SerializeToString())  # the caller's proto stays as it is
+            proto = _copied(source)  # the caller's proto stays as it is
         # resolved now: a script that changes directory later still reads from the same folder
         gate = Gate(base_dir or Path.cwd(), where)
     else:
@@ -412,6 +461,8 @@ def _densify_sparse(proto: onnx.ModelProto, where: str) -> None:
 
 
 def _itemsize(data_type: int, said: str) -> float:
+    if data_type == onnx.TensorProto.STRING:  # each element at least an object's reference (its text comes on top)
+        return np.dtype(object).itemsize
     try:
         return ir.DataType(data_type).itemsize
     except ValueError:
@@ -434,6 +485,7 @@ def _dense(sparse: onnx.SparseTensorProto, where: str) -> onnx.TensorProto:
     bounds = np.array([elements] if linear else dims, dtype=np.int64)
     if indices.size and ((indices < 0).any() or (indices >= bounds).any()):
         raise InputError(f"{said}: an index lies outside its shape {dims}; re-export the model")
-    flat = np.zeros(elements, dtype=values.dtype)
+    # the elements not listed are zero, and for text the empty string (what ONNX Runtime makes of them too)
+    flat = np.full(elements, b"", dtype=object) if values.dtype == object else np.zeros(elements, dtype=values.dtype)
     flat[indices if linear else np.ravel_multi_index(tuple(indices.T), dims)] = values
     return onnx.numpy_helper.from_array(flat.reshape(dims), sparse.values.name)

@@ -118,7 +118,9 @@ def copy_range(source, out, offset: int, length: int) -> None:
     passes through this process), else read and written."""
     while length:
         try:
-            copied = os.copy_file_range(source.fileno(), out.fileno(), length, offset)
+            # 64 MiB a call: a signal (Ctrl-C, SIGTERM) is handled between calls, and one call of gigabytes
+            # can take longer than the grace a stopped worker has to clean up
+            copied = os.copy_file_range(source.fileno(), out.fileno(), min(length, 1 << 26), offset)
         except (AttributeError, OSError):
             copied = 0
         if not copied:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from lnfuse import interrupts
 from lnfuse.errors import UsageError
 from lnfuse.version import version_line
 from lnfuse.zoo.inputs import expand
@@ -81,11 +82,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             from lnfuse.zoo.local import run_local
             run_local(todo, args.jobs or _cores(), args.timeout, args.max_memory, progress.started, finished)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM/SIGHUP raised as one (``interrupts``)
         progress.close()
-        print(f"lnfuse: interrupted; {len(rows)} of {len(jobs)} model(s) finished and kept in {ledger.path}; rerun "
+        said = "" if type(interrupt) is KeyboardInterrupt else f" ({interrupts.name(interrupt)})"
+        print(f"lnfuse: interrupted{said}; {len(rows)} of {len(jobs)} model(s) finished and kept in {ledger.path}; rerun "
               "the same command to do the rest", file=sys.stderr)
-        return 130
+        return interrupts.exit_code(interrupt)
     finally:
         ledger.close()
     progress.close()

@@ -3,6 +3,7 @@ its output takes under the output folder, which mirrors the input tree."""
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import stat
@@ -14,6 +15,13 @@ from lnfuse.errors import UsageError
 
 #: lnfuse's own temporary folders (``io.save``'s staging) are never inputs
 _STAGING = ".lnfuse-tmp"
+#: how many folders deep a folder given as input (or a glob's ``**``) is looked into: model zoos nest a few levels
+#: (org/model/variant/onnx); a folder nested deeper is refused, not walked (a tree 1,300 deep once ended the run,
+#: and one just under that took 35 s to walk before any model ran)
+MAX_FOLDER_DEPTH = 64
+#: how many files and folders all the folders and ``**`` globs of one run may hold together: a walk of this many
+#: takes seconds on a local disk, and a tree larger than this is refused before any model runs
+MAX_FOLDER_ENTRIES = 500_000
 
 
 @dataclass(frozen=True)
@@ -36,12 +44,13 @@ def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude
     # compared by real path: a link to the output folder (or into it) is the output folder
     skipped = Path(os.path.realpath(output)) if exclude else None
     found: list[tuple[Path, Path]] = []  # (model, the folder its argument is rooted at)
+    budget = _Budget()
     for entry in entries:
         path = _absolute(entry)
         if path.is_dir():
-            found += [(model, path) for model in _walk(path, skipped)]
+            found += [(model, path) for model in _walk(path, skipped, budget)]
         elif not path.exists() and glob.has_magic(entry):
-            matches = [_absolute(m) for m in sorted(glob.glob(entry, recursive=True))]
+            matches = [_absolute(m) for m in _glob(entry, budget)]
             matches = [m for m in matches if m.is_file() and not _in_output(m, skipped) and _STAGING not in str(m)]
             if not matches:
                 raise UsageError(f"{entry}: no file matches; check the pattern (quote it so the shell does not "
@@ -87,16 +96,101 @@ def _listed(from_list: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-def _walk(folder: Path, output: Path | None) -> list[Path]:
-    models, root = [], os.path.realpath(folder)
-    for where, folders, files in os.walk(folder):  # followlinks=False: a link loop in a model folder ends nothing
-        here = Path(where)
-        folders[:] = sorted(f for f in folders if not f.endswith(_STAGING) and not _under(_real(here / f), output))
-        # a link found in the folder is the folder's, not the user's: followed only where it stays inside it
-        models += [here / f for f in sorted(files) if f.endswith(".onnx") and (here / f).is_file()
-                   and (not (here / f).is_symlink() or trust.inside(os.path.realpath(here / f), root))
-                   and not _in_output(here / f, output)]
-    return models
+class _Budget:
+    """The files and folders the walks of one run may still look at (``MAX_FOLDER_ENTRIES``)."""
+
+    def __init__(self) -> None:
+        self.left = MAX_FOLDER_ENTRIES
+
+    def spend(self, count: int, said: str) -> None:
+        self.left -= count
+        if self.left < 0:
+            raise UsageError(f"{said}: more than {MAX_FOLDER_ENTRIES:,} files and folders in the folders to search; "
+                             "name the model folders (or a list of models, --from-list) rather than a tree this "
+                             "large")
+
+
+def _walk(folder: Path, output: Path | None, budget: _Budget) -> list[Path]:
+    """The ``*.onnx`` files in ``folder`` at any depth up to ``MAX_FOLDER_DEPTH``, in sorted order, without
+    ``output`` or lnfuse's temporary folders."""
+    root = os.path.realpath(folder)
+    # a link found in the folder is the folder's, not the user's: followed only where it stays inside it
+    return [path for path, entry in _files(folder, output, budget, str(folder))
+            if entry.name.endswith(".onnx") and entry.is_file()
+            and (not entry.is_symlink() or (trust.inside(os.path.realpath(path), root)
+                                            and not _in_output(path, output)))]
+
+
+def _files(folder: Path, output: Path | None, budget: _Budget, said: str) -> list[tuple[Path, os.DirEntry]]:
+    """Every entry but folders under ``folder``, depth first in sorted order as ``os.walk`` gives them, walked
+    with a stack (no recursion) and within the depth and entry bounds. Links to folders are not followed (a link
+    loop ends nothing); folders that cannot be read are skipped, as ``os.walk`` skips them."""
+    if _under(_real(folder), output):
+        return []
+    skipped = _identity(output)
+    found: list[tuple[Path, os.DirEntry]] = []
+    stack: list[tuple[Path, int]] = [(folder, 0)]
+    while stack:
+        here, depth = stack.pop()
+        try:
+            with os.scandir(here) as listing:
+                entries = sorted(listing, key=lambda e: e.name)
+        except OSError:
+            continue
+        budget.spend(len(entries), said)
+        folders = []
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                # compared by identity, not by real path: a real path costs a step per folder above it
+                if not entry.name.endswith(_STAGING) and _identity(entry) != skipped:
+                    folders.append(here / entry.name)
+            elif not entry.is_dir():  # a link to a folder is neither walked nor a file
+                found.append((here / entry.name, entry))
+        if folders and depth == MAX_FOLDER_DEPTH:
+            raise UsageError(f"{said}: folders nested more than {MAX_FOLDER_DEPTH} deep in it; lnfuse looks "
+                             f"{MAX_FOLDER_DEPTH} levels down at most: name the deeper folder itself")
+        stack += [(f, depth + 1) for f in reversed(folders)]
+    return found
+
+
+def _identity(path: os.DirEntry | Path | None) -> tuple[int, int] | None:
+    try:
+        st = path.stat(follow_symlinks=False) if path is not None else None
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if st is not None else None
+
+
+def _glob(pattern: str, budget: _Budget) -> list[str]:
+    """The files a glob matches, sorted. ``**`` is matched against the bounded walk of the glob's fixed folder
+    (glob's own ``**`` recurses once per level, and follows links to folders); other globs have one level per
+    component of the pattern."""
+    if "**" not in pattern:
+        return sorted(glob.glob(pattern))
+    root = _fixed_prefix(pattern)
+    rest = Path(pattern).parts[len(Path(root).parts) if root != "." else 0:]
+    return sorted(str(path) for path, _ in _files(Path(root), None, budget, pattern)
+                  if _matches(path.relative_to(root).parts, rest))
+
+
+def _matches(parts: tuple[str, ...], patterns: tuple[str, ...]) -> bool:
+    """Whether a relative path matches glob components, ``**`` standing for any number of folders. As glob does,
+    a wildcard does not match a hidden name (``.x``) unless the component itself starts with a dot."""
+    # reachable[j]: the first i parts matched by the first j components (a table, no recursion)
+    reachable = [True] + [False] * len(patterns)
+    for j, pat in enumerate(patterns):
+        if pat == "**":
+            reachable[j + 1] = reachable[j]
+    for part in parts:
+        hidden = part.startswith(".")
+        step = [False] * (len(patterns) + 1)
+        for j, pat in enumerate(patterns):
+            if pat == "**":
+                step[j + 1] = step[j] or (reachable[j + 1] and not hidden)
+            elif reachable[j] and (not hidden or pat.startswith(".")) and fnmatch.fnmatchcase(part, pat):
+                step[j + 1] = True
+        reachable = step
+    return reachable[-1]
 
 
 def _absolute(entry: str) -> Path:

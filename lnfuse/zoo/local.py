@@ -13,9 +13,11 @@ import gc
 import multiprocessing
 import signal
 import time
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Iterator
 
+from lnfuse import interrupts
 from lnfuse.zoo.job import BAD, INTERNAL, Job, identify, run
 from lnfuse.zoo.ledger import LIMITED
 from lnfuse.zoo.limits import available_memory, cap_memory, death
@@ -23,6 +25,8 @@ from lnfuse.zoo.limits import available_memory, cap_memory, death
 #: a worker whose memory has grown past this share of --max-memory retires after its model, so that what
 #: one model left behind (fragmentation, caches) cannot make the next one fail
 _RETIRE = 0.7
+#: seconds a worker asked to stop (SIGTERM) has to clean up before it is killed
+_GRACE = 5.0
 
 
 class _Worker:
@@ -32,7 +36,17 @@ class _Worker:
         self.process.start()
         child.close()
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """Ask the worker to stop: SIGTERM ends its model as Ctrl-C would (its temporary files removed)."""
+        with contextlib.suppress(OSError):
+            self.process.terminate()
+
+    def stop(self, grace: float = _GRACE) -> None:
+        """The worker ended: asked first (a worker in the middle of saving removes its temporary folder), then
+        killed if it has not ended within ``grace`` seconds (stuck in a library's C code)."""
+        if self.process.is_alive():
+            self.terminate()
+            self.process.join(grace)
         self.process.kill()
         self.process.join()
         self.conn.close()
@@ -41,7 +55,16 @@ class _Worker:
 def serve(conn: Connection, max_memory: int | None) -> None:
     """A worker's life: fuse the models it is sent, one at a time, and send back each row (or, for a model whose
     worker was stopped, the identity of its files)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
+    # Ctrl-C and a closed terminal are the parent's to handle: it stops the workers with SIGTERM, which (like a
+    # SIGTERM sent to the whole process group by ``timeout`` or CI) ends the model here as Ctrl-C would
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (worker_context); a worker must not
+    with interrupts.as_keyboard_interrupt((signal.SIGTERM,)), contextlib.suppress(KeyboardInterrupt):
+        _serve(conn, max_memory)
+
+
+def _serve(conn: Connection, max_memory: int | None) -> None:
     _die_with_parent()
     cap_memory(max_memory)
     # what the server imported is there for the worker's life: the cycle collector need not walk it at every full
@@ -74,6 +97,10 @@ def worker_context() -> multiprocessing.context.BaseContext:
                                           else "spawn")
     if context.get_start_method() == "forkserver":
         context.set_forkserver_preload(["lnfuse.api", "lnfuse.zoo.job"])
+        # started with SIGTERM/SIGHUP ignored (which it keeps): a signal to the whole process group must not end
+        # the server, whose end kills every worker at once (``_die_with_parent``), in the middle of its save
+        with interrupts.ignored():
+            forkserver.ensure_running()
     return context
 
 
@@ -222,18 +249,21 @@ def run_local(jobs: list[Job], workers: int, timeout: float | None, max_memory: 
                 for row in done:
                     finished(row)
     finally:
+        for slot in busy:  # all asked at once, so that their grace runs side by side
+            if slot.worker is not None:
+                slot.worker.terminate()
         for slot in idle + busy:
             slot.close()
 
 
 @contextlib.contextmanager
 def _interrupts_deferred() -> Iterator[None]:
-    """Ctrl-C (SIGINT) held back while workers are started and handed jobs; delivered, as KeyboardInterrupt, when
-    the block ends."""
+    """Ctrl-C (SIGINT), SIGTERM and SIGHUP held back while workers are started and handed jobs; delivered, as
+    KeyboardInterrupt, when the block ends."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *interrupts.TERMINATING})
     try:
         yield
     finally:
