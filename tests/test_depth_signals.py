@@ -25,22 +25,27 @@ _CLI = [sys.executable, "-m", "lnfuse.cli"]
 
 
 def _big_model(folder: Path, name: str = "big") -> Path:
-    """A model whose ``--external-data single`` output is a 2 GiB data file (read from a sparse input file): long
-    enough to write that a signal lands in the middle of the save."""
+    """A model whose ``--external-data single`` output copies a 256 MiB data file of real bytes (a hole would be
+    skipped in no time): long enough to write that a signal lands in the middle of the save."""
     folder.mkdir(parents=True, exist_ok=True)
-    big = onnx.TensorProto(name="big", data_type=TensorProto.FLOAT, dims=[1 << 29], raw_data=b"\0")
-    set_external_data(big, f"{name}.data", 0, 1 << 31)
+    big = onnx.TensorProto(name="big", data_type=TensorProto.FLOAT, dims=[_BIG >> 2], raw_data=b"\0")
+    set_external_data(big, f"{name}.data", 0, _BIG)
     big.ClearField("raw_data")
     big.data_location = TensorProto.EXTERNAL
     graph = oh.make_graph([oh.make_node("Size", ["big"], ["n"])], "g", [],
                           [oh.make_tensor_value_info("n", TensorProto.INT64, [])], [big])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
     model.ir_version = 8
+    chunk = b"\x01" * (1 << 24)
     with open(folder / f"{name}.data", "wb") as data:
-        data.truncate(1 << 31)
+        for _ in range(_BIG // len(chunk)):
+            data.write(chunk)
     path = folder / f"{name}.onnx"
     path.write_bytes(model.SerializeToString())
     return path
+
+
+_BIG = 1 << 28
 
 
 def _staging(folder: Path) -> list[Path]:
@@ -75,7 +80,7 @@ def test_a_signal_during_the_write_leaves_nothing(tmp_path: Path, signum: int):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert list(out.iterdir()) == [], "no output, no temporary folder, no partial data file"
     assert sorted(p.name for p in src.parent.iterdir()) == ["big.data", "big.onnx"]
-    assert (src.parent / "big.data").stat().st_size == 1 << 31, "the input is untouched"
+    assert (src.parent / "big.data").stat().st_size == _BIG, "the input is untouched"
 
 
 @pytest.mark.parametrize("signum,group", [(signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGHUP, True)])
@@ -90,7 +95,7 @@ def test_a_signal_to_a_many_model_run_leaves_no_temporary_file(tmp_path: Path, s
     assert "rerun the same command" in err.strip().splitlines()[-1] and "Traceback" not in err, err
     assert _staging(out) == [], "no temporary folder"
     assert not [p for p in out.iterdir() if p.name != "lnfuse-ledger.jsonl"], "no partial output or data file"
-    assert all((models / f"{n}.data").stat().st_size == 1 << 31 for n in "ab"), "the inputs are untouched"
+    assert all((models / f"{n}.data").stat().st_size == _BIG for n in "ab"), "the inputs are untouched"
 
 
 # ---------------------------------------------------------------------------------------------------------------
