@@ -75,29 +75,35 @@ def _read(path: Path) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
-        if error.errno == errno.ENOENT:
+        if error.errno in (errno.ENOENT, errno.ENOTDIR):  # not there (nor its folder): to be made
             raise FileNotFoundError(path) from None
         if error.errno == errno.ELOOP:
             raise UsageError(f"lnfuse's key file {path} is a link; replace it by the file itself (or remove it: "
                              "lnfuse makes a new key, and rows of earlier ledgers run again)") from None
         raise UsageError(f"lnfuse's key file {path} cannot be read ({error.strerror}); fix its permissions or set "
                          f"{ENV}") from None
-    with os.fdopen(fd, "rb") as stream:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"lnfuse's key file {path} is not a regular file; remove it (lnfuse makes a new one)")
-        if st.st_uid != os.geteuid():
-            raise UsageError(f"lnfuse's key file {path} belongs to user {st.st_uid}, not to you; remove it (lnfuse "
-                             f"makes a new one) or set {ENV}")
-        if st.st_mode & 0o077:
-            raise UsageError(f"lnfuse's key file {path} may be read or written by others (mode "
-                             f"{stat.S_IMODE(st.st_mode):04o}); run chmod 600 on it, or remove it if others may "
-                             "have read it")
-        key = stream.read(KEY_BYTES + 1)
+    try:
+        _check(path, os.fstat(fd))
+        key = os.read(fd, KEY_BYTES + 1)
+    finally:
+        os.close(fd)
     if len(key) != KEY_BYTES:
         raise UsageError(f"lnfuse's key file {path} holds {len(key)} bytes, not {KEY_BYTES}; remove it (lnfuse makes "
                          "a new one, and rows of earlier ledgers run again)")
     return key
+
+
+def _check(path: Path, st: os.stat_result) -> None:
+    """Refuse a key file others may have read or replaced: with it, they sign records as this user."""
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"lnfuse's key file {path} is not a regular file; remove it (lnfuse makes a new one)")
+    if st.st_uid != os.geteuid():
+        raise UsageError(f"lnfuse's key file {path} belongs to user {st.st_uid}, not to you; remove it (lnfuse makes "
+                         f"a new one) or set {ENV}")
+    if st.st_mode & 0o077:
+        raise UsageError(f"lnfuse's key file {path} may be read or written by others (mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}); run chmod 600 on it, or remove it if others may have "
+                         "read it")
 
 
 def _make(path: Path) -> None:
