@@ -14,10 +14,10 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 import re
 import secrets
 import shutil
+import socket
 import stat
 from pathlib import Path
 
