@@ -11,6 +11,7 @@ folder left behind."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import stat
@@ -274,11 +275,26 @@ def test_a_staging_leftover_whose_owner_file_is_special_is_skipped_without_block
     assert after == before, "the leftover is not lnfuse's to remove: kept as it was"
 
 
+def _owner_of_a_dead_run(folder: Path) -> bytes:
+    """The owner file a run of this user on this machine writes, signed with this user's key, naming a process that
+    is gone."""
+    from lnfuse import userkey
+
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    st = folder.stat()
+    record = {"folder": folder.name, "inode": [st.st_dev, st.st_ino], "host": socket.gethostname(),
+              "boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(), "pid": gone, "start": 1}
+    record["signature"] = userkey.sign(userkey.user_key(), "lnfuse staging owner 1", record)
+    return json.dumps(record).encode()
+
+
 def test_the_owner_file_of_a_dead_run_is_still_recognised(sandbox: Path):
-    """The same leftover with a regular owner file whose lock is free (its run was killed) is removed."""
+    """The same leftover with a regular owner file a dead run of this user signed, whose lock is free (its run was
+    killed), is removed."""
     leftover = sandbox / "out" / ".0123456789ab.lnfuse-tmp"
     leftover.mkdir()
-    (leftover / ".lnfuse-owner").write_bytes(b"lnfuse staging folder\n")
+    (leftover / ".lnfuse-owner").write_bytes(_owner_of_a_dead_run(leftover))
     (leftover / "o.onnx").write_bytes(b"half")
     code = main([str(sandbox / "model" / "model.onnx"), "-o", str(sandbox / "out" / "o.onnx"), "-q"])
     assert code == 0

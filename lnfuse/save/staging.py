@@ -2,27 +2,35 @@
 
 Each file is written into a hidden temporary folder beside its destination (same file system, so the final
 ``os.replace`` is atomic), and renamed into place only once every file of the run has been written. A temporary
-folder holds a locked owner file for as long as its run lives: a later run removes a folder whose lock is free (its
-run was killed) and leaves alone anything it cannot prove is such a folder.
+folder holds a locked owner file for as long as its run lives. The owner file says which run made the folder
+(machine, boot, process and its start time, the folder's name and inode), signed with this user's key
+(``lnfuse.userkey``): a later run removes a folder only if that signature checks, the run it names is gone and the
+lock is free. A folder's name and an owner file's text can come with a download; the signature cannot.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import secrets
 import shutil
+import socket
 import stat
 from pathlib import Path
 
+from lnfuse import userkey
 from lnfuse.load import trust
 
 #: short and fixed-length, so a temporary folder fits beside an output of any valid name (a 255-byte file name)
 _FOLDER = re.compile(r"^\.[0-9a-f]{12}\.lnfuse-tmp$")
 _OWNER = ".lnfuse-owner"
-_OWNER_TEXT = b"lnfuse staging folder\n"
+#: what an owner file's signature is for (a ledger row's signature cannot pass for one)
+_PURPOSE = "lnfuse staging owner 1"
+#: an owner file lnfuse writes is a few hundred bytes; a larger one is not lnfuse's, and is not read whole
+_OWNER_MAX = 4096
 
 
 class Staging:
@@ -42,7 +50,9 @@ class Staging:
         leftovers there)."""
         key = os.path.realpath(folder)
         if key not in self._areas:
-            remove_stale(folder)
+            secret = _key()
+            if secret is not None:
+                remove_stale(folder, secret)
             temp = folder / f".{secrets.token_hex(6)}.lnfuse-tmp"
             # known before it exists, so that a Ctrl-C at any point still has it removed by close()
             self._areas[key] = (folder, temp, None)
@@ -50,7 +60,7 @@ class Staging:
             fd = os.open(temp / _OWNER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             self._areas[key] = (folder, temp, fd)
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, _OWNER_TEXT)
+            _write_all(fd, _owner_text(temp, secret))
         return self._areas[key][1]
 
     def commit(self, last: Path) -> None:
@@ -79,9 +89,10 @@ class Staging:
         self._areas.clear()
 
 
-def remove_stale(folder: Path) -> None:
-    """Remove temporary folders of runs that died without cleaning up (SIGKILL, power loss): only folders named as
-    lnfuse names them, owned by this user, holding lnfuse's owner file, whose lock no live run holds."""
+def remove_stale(folder: Path, key: bytes) -> None:
+    """Remove temporary folders of this user's runs on this machine that died without cleaning up (SIGKILL, power
+    loss): only a folder named as lnfuse names them, owned by this user, whose owner file is signed with ``key`` for
+    this very folder, whose run is gone, and whose lock no live process holds. Anything else is left alone."""
     try:
         entries = list(os.scandir(folder))
     except OSError:
@@ -90,18 +101,113 @@ def remove_stale(folder: Path) -> None:
         if not _FOLDER.match(entry.name) or not entry.is_dir(follow_symlinks=False):
             continue
         with contextlib.suppress(OSError):
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+            st = entry.stat(follow_symlinks=False)
+            if st.st_uid != os.getuid():
                 continue
             fd = _open_owner(os.path.join(entry.path, _OWNER))
             if fd is None:
                 continue
             try:
-                if os.read(fd, len(_OWNER_TEXT)) != _OWNER_TEXT:
+                record = _signed_record(fd, key)
+                if record is None or not _names(record, entry.name, st) or not _dead(record):
                     continue
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its run is alive
                 shutil.rmtree(entry.path)
             finally:
                 os.close(fd)
+
+
+def _key() -> bytes | None:
+    """This user's key; None when none can be made (a read-only home): the folder is then written with an unsigned
+    owner file, which no later run removes. A key file that is there but unsafe is refused (``UsageError``)."""
+    try:
+        return userkey.user_key()
+    except userkey.KeyUnavailable:
+        return None
+
+
+def _owner_text(temp: Path, key: bytes | None) -> bytes:
+    """The owner file of the folder ``temp`` this process just made: which run made it, signed."""
+    st = os.lstat(temp)
+    record = {"folder": temp.name, "inode": [st.st_dev, st.st_ino], **_this_run()}
+    if key is not None:
+        record["signature"] = userkey.sign(key, _PURPOSE, record)
+    return (json.dumps(record, sort_keys=True) + "\n").encode()
+
+
+def _this_run() -> dict:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid, "start": _started(pid)}
+
+
+def _signed_record(fd: int, key: bytes) -> dict | None:
+    """The owner file's record if its signature is ``key``'s, else None."""
+    text = os.read(fd, _OWNER_MAX + 1)
+    if len(text) > _OWNER_MAX:
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    signature = record.pop("signature", None)
+    return record if userkey.signed(key, _PURPOSE, record, signature) else None
+
+
+def _names(record: dict, name: str, st: os.stat_result) -> bool:
+    """Whether the record was written for this folder: its name and inode (an owner file copied into another
+    folder, or a folder copied whole, is not the one its run made)."""
+    return record.get("folder") == name and record.get("inode") == [st.st_dev, st.st_ino]
+
+
+def _dead(record: dict) -> bool:
+    """Whether the run that wrote ``record`` is gone: a run of this machine, which has restarted since, or whose
+    process is gone or is another one now (the pid taken again: another start time). A run of another machine
+    (a shared file system) may be alive: kept."""
+    if record.get("host") != socket.gethostname():
+        return False
+    if record.get("boot") != _boot_id():
+        return True
+    pid = record.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    started = _started(pid)
+    return started is None or started != record.get("start")
+
+
+def _boot_id() -> str:
+    """This boot of this machine (Linux); "" where it cannot be told."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, from /proc), None if there is no such process; -1 where
+    it cannot be told (no /proc): then a process of that pid counts as the run."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        if os.path.isdir("/proc/self"):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return -1
+    # the second field is the command in parentheses, which may hold spaces and ")": split after the last ")";
+    # start time is field 22, the 20th after it
+    return int(text.rsplit(b")", 1)[1].split()[19])
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _open_owner(path: str) -> int | None:

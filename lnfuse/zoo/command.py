@@ -53,9 +53,13 @@ def run(args: argparse.Namespace) -> int:
         row, stands = ledger.finished(job, version, limits)
         if stands:
             rows[job.source] = row
-        elif row is not None:  # its files were touched: a worker compares the hash before fusing it again
-            jobs[i] = dataclasses.replace(job, resume={"sha256": row["sha256"], "data_files": row["data_files"]})
+        elif row is not None:  # its files were touched: a worker compares the hashes before fusing it again
+            jobs[i] = dataclasses.replace(job, resume={"sha256": row["sha256"], "data_files": row["data_files"],
+                                                       "output": row.get("output_identity")})
     resumed = len(rows)
+    if ledger.unsigned:  # always said: rows someone else wrote into this user's ledger are worth knowing of
+        print(f"lnfuse: warning: {ledger.unsigned} row(s) of {ledger.path} are not signed by your lnfuse (written by "
+              "another user or key, an older lnfuse, or edited): ignored, their models run again", file=sys.stderr)
     quiet = args.quiet or args.json
     progress = Progress(len(jobs), quiet=quiet)
     if resumed and not quiet:
@@ -66,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     def finished(row: dict) -> None:
         nonlocal resumed
         if row["status"] == UNCHANGED:  # the same bytes as its previous row, which stands, with the new stat keys
-            row = {**ledger.rows[row["input"]], **{k: row[k] for k in ("sha256", "data_files", "stat")}}
+            row = {**ledger.rows[row["input"]],
+                   **{k: row[k] for k in ("sha256", "data_files", "stat", "output_identity")}}
             resumed += 1
         row["limits"] = limits
         ledger.append(row)

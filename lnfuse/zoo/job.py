@@ -36,15 +36,16 @@ class Job:
     inputs: str | None = None  # --inputs: an .npz for --verify model
     report: str | None = None  # where this model's JSON report goes, if asked for
     estimate: int = 0  # bytes of memory it is expected to need (admission, Ray's memory resource)
-    resume: dict | None = None  # a previous row's sha256 and data_files, to compare before fusing (see ledger)
+    #: a previous row's sha256 and data_files, and its output's ("output"), to compare before fusing (see ledger)
+    resume: dict | None = None
     ledger: str | None = None  # the run's ledger, which no file of this model's may replace
 
     def row(self, **fields) -> dict:
         """A ledger row for this model; ``fields`` say how it went."""
         base = {"model": self.relative, "input": self.source, "output": None, "status": "", "exit": INTERNAL,
                 "reason": "", "fused": {}, "refused": 0, "seconds": 0.0, "bytes_in": 0, "bytes_out": 0,
-                "sha256": None, "data_files": None, "stat": None, "identity": IDENTITY, "lnfuse": version_line(),
-                "options": self.key_options()}
+                "sha256": None, "data_files": None, "stat": None, "output_identity": None, "identity": IDENTITY,
+                "lnfuse": version_line(), "options": self.key_options()}
         base.update(fields)
         return base
 
@@ -57,8 +58,9 @@ class Job:
 def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
     """Fuse, verify and write one model; its row, whatever happens. ``hashed`` gets the model's identity as far as it
     is known before the fusing starts (the model file's hash and stat key), for the row of a model whose worker is
-    then stopped. With ``job.resume`` (a previous row whose files' stat keys changed), a model whose bytes are
-    those of that row is not fused again: its row says ``unchanged``, with the new stat keys."""
+    then stopped. With ``job.resume`` (a previous row whose files' stat keys changed), a model whose bytes, and
+    whose output's bytes, are those of that row is not fused again: its row says ``unchanged``, with the new stat
+    keys."""
     start, began = time.perf_counter(), time.time_ns()
     fields: dict = {}
     model, completed = None, False
@@ -66,7 +68,10 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
         model = of_model(Path(job.source))  # the model's bytes, hashed before anything parses them
         fields = model.early()
         if job.resume is not None and _same_content(model, job.resume):
-            return job.row(status=UNCHANGED, exit=OK, **model.complete(job.resume["data_files"]))
+            output = _same_output(job)
+            if output is not False:
+                return job.row(status=UNCHANGED, exit=OK, output_identity=output,
+                               **model.complete(job.resume["data_files"]))
         if hashed is not None:
             hashed(dict(fields))
         fields.update(_fuse(job, model))
@@ -116,6 +121,27 @@ def _same_content(model: ModelIdentity, previous: dict) -> bool:
         return False
 
 
+def _same_output(job: Job) -> dict | None | bool:
+    """The output's identity now if it has the bytes the previous row recorded (None when that row had no output),
+    False if not: the output was replaced, and the model is fused again rather than keeping what is there."""
+    previous = job.resume.get("output")
+    if previous is None:
+        return None
+    now = output_identity(Path(job.output))
+    return now if now is not None and now["sha256"] == previous.get("sha256") else False
+
+
+def output_identity(path: Path) -> dict | None:
+    """What the ledger records of an output as written: the digest and stat keys of the file and of the data files
+    it names, read through a gate on its folder as a model's are; None when they cannot be told. A rerun keeps an
+    output only while these hold."""
+    try:
+        fields = of_model(path).complete(listed_files(path))
+    except LnfuseError:
+        return None
+    return {k: fields[k] for k in ("sha256", "data_files", "stat")} if fields["sha256"] is not None else None
+
+
 def _fuse(job: Job, model: ModelIdentity) -> dict:
     """The row's fields for the fused model, its identity included: the data files its load read are hashed before
     anything is written, so that a model stopped while hashing (past --timeout) has no output."""
@@ -143,8 +169,8 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     written = result.save(job.output, in_place=job.in_place, external_data=job.external_data, report=job.report)
-    done |= {"output": job.output, "bytes_out": sum(path.stat().st_size for path in written
-                                                    if job.report is None or path != Path(job.report))}
+    done |= {"output": job.output, "output_identity": output_identity(Path(job.output)),
+             "bytes_out": sum(path.stat().st_size for path in written if job.report is None or path != Path(job.report))}
     if report.unfused:
         first = report.unfused[0]
         return done | {"status": "candidates left", "exit": LEFT,

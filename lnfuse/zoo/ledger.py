@@ -1,6 +1,11 @@
 """The run's ledger: JSON Lines, one row per finished model, appended and flushed to disk as each finishes, so
 that a run killed at any point (Ctrl-C, SIGKILL, a lost machine) loses no finished result; and which models a
-rerun can skip."""
+rerun can skip.
+
+Every row is signed with this user's key (``lnfuse.userkey``): the ledger may sit in a folder that came with a
+download (``--in-place``, an ``-o`` inside the downloaded folder), and every other field of a row (digests, stat
+keys, paths) can be computed or guessed from public files. A row whose signature does not check is ignored (its
+model runs again), and counted (``unsigned``) for one warning."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import os
 import stat
 from pathlib import Path
 
+from lnfuse import userkey
 from lnfuse.errors import UsageError
 from lnfuse.zoo.identity import IDENTITY, unchanged
 from lnfuse.zoo.job import Job
@@ -18,6 +24,10 @@ from lnfuse.zoo.job import Job
 LIMITED = ("timeout", "over memory")
 #: failures of the run rather than of the model: a rerun tries the model again
 RETRIED = ("worker died",)
+#: what a row's signature is for (a staging owner file's signature cannot pass for one)
+_PURPOSE = "lnfuse ledger row 1"
+#: the field holding a row's signature, over every other field
+SIGNATURE = "signature"
 
 
 #: the fields a row must have, with their types, to be read: a row of another shape (hand-edited, of another
@@ -32,11 +42,23 @@ def _valid(row) -> bool:
         and row["exit"] in (0, 1, 2, 3) and all(isinstance(v, int) for v in row["fused"].values())
 
 
+def _known(identity) -> bool:
+    """Whether ``identity`` (a row, or its ``output_identity``) records a content digest and the data files it
+    covers."""
+    if not isinstance(identity, dict):
+        return False
+    names = identity.get("data_files")
+    return isinstance(names, list) and all(isinstance(n, str) for n in names) and \
+        isinstance(identity.get("sha256"), str)
+
+
 class Ledger:
     def __init__(self, path: Path):
         self.path = path
         if not path.parent.is_dir():
             raise UsageError(f"--ledger {path}: folder '{path.parent}' does not exist; create it first")
+        self._key = userkey.user_key()
+        self.unsigned = 0  # rows read whose signature is not this user's key's: ignored
         self.rows = self._read()
         self._file = None
 
@@ -56,38 +78,51 @@ class Ledger:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if _valid(row):
+            if not self._signed(row):
+                self.unsigned += 1
+            elif _valid(row):
                 rows[row["input"]] = row
         return rows
+
+    def _signed(self, row) -> bool:
+        if not isinstance(row, dict):
+            return False
+        fields = {k: v for k, v in row.items() if k != SIGNATURE}
+        return userkey.signed(self._key, _PURPOSE, fields, row.get(SIGNATURE))
 
     def finished(self, job: Job, version: str, limits: dict) -> tuple[dict | None, bool]:
         """The row of a previous run this job need not repeat, and whether it still stands: (row, True) when the
         model and the data files that row read have the stat keys it recorded (no byte is read for it); (row,
-        False) when the row would stand but a stat key changed, so a worker must compare the content hash first
+        False) when the row would stand but a stat key changed, so a worker must compare the content hashes first
         (``job.run`` with ``resume``); (None, False) when the model runs again: another lnfuse or library
-        version, other options, another or a missing output, a failure of the run (``worker died``), a failure
-        the limits decide under other limits, or a row whose content is not known."""
+        version, other options, another or a missing output, an output whose digest the row does not record, a
+        failure of the run (``worker died``), a failure the limits decide under other limits, or a row whose
+        content is not known. The output's stat keys count as the model's do: an output replaced since is
+        hashed again, and kept only if its bytes are the ones the row recorded."""
         row = self.rows.get(job.source)
         if row is None or row.get("lnfuse") != version or row.get("options") != job.key_options() or \
                 row.get("identity") != IDENTITY:
             return None, False
         if row.get("status") in RETRIED or (row.get("status") in LIMITED and row.get("limits") != limits):
             return None, False
-        if row.get("output") is not None and (row["output"] != job.output or not Path(row["output"]).exists()):
+        output = row.get("output")
+        if output is not None and (output != job.output or not Path(output).exists() or
+                                   not _known(row.get("output_identity"))):
+            return None, False  # an output whose bytes the row does not record is never kept
+        if not _known(row):
             return None, False
-        names = row.get("data_files")
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or \
-                not isinstance(row.get("sha256"), str):
-            return None, False
-        return row, unchanged(Path(job.source), row)
+        return row, unchanged(Path(job.source), row) and \
+            (output is None or unchanged(Path(output), row["output_identity"]))
 
     def append(self, row: dict) -> None:
-        """One line, written whole and pushed to disk before the next model's row."""
+        """One line, signed, written whole and pushed to disk before the next model's row."""
         if self._file is None:
             self._file = self._open(os.O_RDWR | os.O_APPEND | os.O_CREAT)
             end = self._file.seek(0, os.SEEK_END)
             if end and os.pread(self._file.fileno(), 1, end - 1) != b"\n":
                 self._file.write(b"\n")  # end the line a kill cut short, so that this row starts its own
+        row = {k: v for k, v in row.items() if k != SIGNATURE}
+        row[SIGNATURE] = userkey.sign(self._key, _PURPOSE, row)
         line = memoryview((json.dumps(row, sort_keys=True) + "\n").encode())
         while line:
             line = line[self._file.write(line):]
