@@ -7,10 +7,10 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
+from lnfuse import terminal
 from lnfuse.errors import UsageError
 from lnfuse.version import version_line
 from lnfuse.zoo.inputs import expand
@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     quiet = args.quiet or args.json
     progress = Progress(len(jobs), quiet=quiet)
     if resumed and not quiet:
-        print(f"lnfuse: {resumed} of {len(jobs)} model(s) already finished in {ledger.path}; running the rest",
-              file=sys.stderr)
+        terminal.say(f"lnfuse: {resumed} of {len(jobs)} model(s) already finished in {ledger.path}; running the rest",
+                     err=True)
     progress.resumed(resumed)
 
     def finished(row: dict) -> None:
@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
             run_local(todo, args.jobs or _cores(), args.timeout, args.max_memory, progress.started, finished)
     except KeyboardInterrupt:
         progress.close()
-        print(f"lnfuse: interrupted; {len(rows)} of {len(jobs)} model(s) finished and kept in {ledger.path}; rerun "
-              "the same command to do the rest", file=sys.stderr)
+        terminal.say(f"lnfuse: interrupted; {len(rows)} of {len(jobs)} model(s) finished and kept in {ledger.path}; "
+                     "rerun the same command to do the rest", err=True)
         return 130
     finally:
         ledger.close()
@@ -92,10 +92,11 @@ def run(args: argparse.Namespace) -> int:
     ordered = [rows[job.source] for job in jobs]
     code = exit_code(ordered)
     if args.json:
-        print(json.dumps({"exit": code, "models": ordered}, indent=1))
+        terminal.say_block(json.dumps({"exit": code, "models": ordered}, indent=1))  # ASCII: ensure_ascii
     elif not args.quiet:
-        print(closing_table(ordered, wall=time.monotonic() - start, resumed=resumed, verbose=args.verbose))
-        print(f"wrote {output}/ (ledger {ledger.path})")
+        terminal.say_block(closing_table(ordered, wall=time.monotonic() - start, resumed=resumed,
+                                         verbose=args.verbose))
+        terminal.say(f"wrote {output}/ (ledger {ledger.path})")
     return code
 
 
