@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import re
 import sys
 import unicodedata
@@ -160,19 +159,20 @@ def reader_may_leave() -> contextlib.AbstractContextManager:
     return contextlib.redirect_stdout(_ReaderMayLeave(sys.stdout))
 
 
-class _Printed(logging.Handler):
-    """Log records no other handler takes (what Python's last-resort handler would print raw on stderr)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        say(record.getMessage(), err=True)
-
-
 @contextlib.contextmanager
 def library_messages() -> Iterator[None]:
     """For the command's run: Python warnings, and log records when nothing else handles logging, are printed
     through ``say``: a library's message may quote a model's names."""
+    import logging  # here, not at the top: --help and usage errors answer without it
+
+    class Printed(logging.Handler):
+        """Log records no other handler takes (what Python's last-resort handler would print raw on stderr)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            say(record.getMessage(), err=True)
+
     root = logging.getLogger()
-    handler = None if root.handlers else _Printed(logging.WARNING)
+    handler = None if root.handlers else Printed(logging.WARNING)
     if handler is not None:
         root.addHandler(handler)
     with warnings.catch_warnings():
