@@ -78,7 +78,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser(command: str) -> argparse.ArgumentParser:
     parser = _Parser(prog=f"lnfuse{'' if command == 'fuse' else ' ' + command}",
-                                     description="Verified normalization fusion for ONNX models.")
+                     description="Verified normalization fusion for ONNX models.")
     if command == "decompose":
         parser.add_argument("model", help="input .onnx file (never modified)")
         parser.add_argument("-o", "--output", required=True, help="where to write the decomposed model")

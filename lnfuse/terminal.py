@@ -22,7 +22,7 @@ import unicodedata
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TextIO, Union
+from typing import TextIO
 
 #: Unicode categories a terminal may act on or a reader cannot see: Cc (C0, DEL, C1; \n \r \v \f \x85 among them),
 #: Cf (bidi embeddings, overrides and isolates, U+200E/U+200F, U+061C, zero widths, tag characters), Zl and Zp
@@ -62,7 +62,7 @@ class Styled:
 
 
 #: one line: text, coloured text, or a line made of parts
-Line = Union[str, Styled, Sequence[Union[str, Styled]]]
+Line = str | Styled | Sequence[str | Styled]
 
 
 def render(line: Line) -> str:

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import select
-import shutil
 import subprocess
 import sys
 import time
@@ -21,10 +20,10 @@ from pathlib import Path
 import onnx
 import onnx.helper as oh
 import pytest
+from normgraphs import Spec, build
 from onnx import TensorProto
 
 from lnfuse.terminal import escape
-from normgraphs import Spec, build
 
 ROOT = Path(__file__).resolve().parent.parent
 FORGED = "lnfuse check: 0 candidate(s) left unfused, 9 fusable"
@@ -152,7 +151,8 @@ def test_every_hidden_character_is_escaped_and_nothing_else():
     shown = escape(everything)
     assert not [c for c in shown if unicodedata.category(c) in HIDDEN]
     assert escape(shown) == shown, "escaping twice changes nothing"
-    named = "\x1b\x9b\x85\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c\u2028\u2029\n\r\v\f\b\x7f"
+    named = ("\x1b\x9b\x85\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c\u2028\u2029"
+             "\n\r\v\f\b\x7f")
     assert escape(named) == named.encode("unicode_escape").decode("ascii")
     assert escape("é 中 ✓ \\n") == "é 中 ✓ \\n"
 
