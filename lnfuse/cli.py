@@ -11,15 +11,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import io
 import os
 import sys
 from pathlib import Path
 
 # only what parsing the command line needs: the optimizer (onnx_ir, ONNX Runtime, numpy) is imported by the command
 # that runs it, so --help and usage errors answer at once
+from lnfuse import terminal
 from lnfuse.errors import LnfuseError, UsageError
 from lnfuse.targets import TARGETS
 from lnfuse.zoo import options as zoo_options
@@ -58,13 +57,28 @@ class _Version(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         from lnfuse.version import version_line
-        print(version_line())
+        terminal.say(version_line())
         parser.exit()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, printing through the printer: a usage error quotes the arguments, and a shell glob over a
+    downloaded folder makes file names arguments."""
+
+    def _print_message(self, message: str, file=None) -> None:  # usage and help: argparse's own lines
+        if message:
+            terminal.say_block(message.rstrip("\n"), err=terminal.is_stderr(file))
+
+    def error(self, message: str):
+        """The usage, then the error on one line (a newline in an argument stays in it)."""
+        terminal.say_block(self.format_usage().rstrip("\n"), err=True)
+        terminal.say(f"{self.prog}: error: {message}", err=True)
+        self.exit(2)
+
+
 def _parser(command: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"lnfuse{'' if command == 'fuse' else ' ' + command}",
-                                     description="Verified normalization fusion for ONNX models.")
+    parser = _Parser(prog=f"lnfuse{'' if command == 'fuse' else ' ' + command}",
+                     description="Verified normalization fusion for ONNX models.")
     if command == "decompose":
         parser.add_argument("model", help="input .onnx file (never modified)")
         parser.add_argument("-o", "--output", required=True, help="where to write the decomposed model")
@@ -101,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "fuse"
     if command == "fuse" and argv and argv[0] in ("-h", "--help") and len(argv) == 1:
-        print(__doc__.strip())  # shown as it is: plain text, no markup
+        terminal.say_block(__doc__.strip())  # shown as it is: plain text, no markup
     args = _parser(command).parse_args(argv)
     from lnfuse import interrupts
     try:
-        with interrupts.as_keyboard_interrupt(), contextlib.redirect_stdout(_ReaderMayLeave(sys.stdout)):
+        with interrupts.as_keyboard_interrupt(), terminal.reader_may_leave(), terminal.library_messages():
             if command == "fuse" and zoo_options.is_many(args):
                 from lnfuse.zoo.command import run as run_many
                 return run_many(args)
@@ -114,48 +128,26 @@ def main(argv: list[str] | None = None) -> int:
                 args.model = args.model[0]
             return _run(command, args)
     except LnfuseError as error:
-        print(f"lnfuse: error: {error}", file=sys.stderr)
+        terminal.say(f"lnfuse: error: {error}", err=True)
         return error.exit_code
     except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM/SIGHUP raised as one (``interrupts``)
         said = "" if type(interrupt) is KeyboardInterrupt else f" ({interrupts.name(interrupt)})"
-        print(f"lnfuse: interrupted{said}; nothing was written", file=sys.stderr)
+        terminal.say(f"lnfuse: interrupted{said}; nothing was written", err=True)
         return interrupts.exit_code(interrupt)
     except Exception as error:  # noqa: BLE001 - a user gets one line, never a traceback
         text = (str(error).strip().splitlines() or [""])[0][:300]
-        print(f"lnfuse: internal error ({type(error).__name__}: {text}); nothing was written; please report it "
-              "with the model", file=sys.stderr)
+        terminal.say(f"lnfuse: internal error ({type(error).__name__}: {text}); nothing was written; please report "
+                     "it with the model", err=True)
         return 3
-
-
-class _ReaderMayLeave(io.TextIOBase):
-    """stdout that stops writing once its reader has gone (``lnfuse check m.onnx | head -1``): what lnfuse did,
-    wrote and exits with does not depend on whether anyone read all of what it printed."""
-
-    def __init__(self, stream) -> None:
-        super().__init__()
-        self._stream, self._gone = stream, False
-
-    def write(self, text: str) -> int:
-        if not self._gone:
-            try:
-                self._stream.write(text)
-                self._stream.flush()  # a closed pipe shows here, not later at exit
-            except BrokenPipeError:
-                self._gone = True
-        return len(text)
-
-    def isatty(self) -> bool:
-        return self._stream.isatty()
 
 
 def _progress(fraction: float, label: str) -> None:
     """A bar on one rewritten line of stderr (terminals only); an empty label clears it."""
     if label:
         done = round(24 * min(max(fraction, 0.0), 1.0))
-        sys.stderr.write(f"\r\033[K[{'#' * done}{'.' * (24 - done)}] {fraction:4.0%}  {label[:60]}")
+        terminal.status(f"[{'#' * done}{'.' * (24 - done)}] {fraction:4.0%}  {terminal.escape(label)[:60]}")
     else:
-        sys.stderr.write("\r\033[K")
-    sys.stderr.flush()
+        terminal.status()
 
 
 def _check_outputs(*paths: str | None) -> None:
@@ -180,8 +172,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
         result = decompose(args.model, verify_rewrites=not args.no_verify)
         result.save(args.output, in_place=args.in_place)
         if not args.quiet:
-            print(result.report.summary(decompose=True))
-            print(f"wrote {args.output}")
+            terminal.say(*result.report.summary_lines(decompose=True), f"wrote {args.output}")
         return 0
     inputs = None
     if getattr(args, "inputs", None):
@@ -191,7 +182,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
             raise UsageError(f"{args.inputs}: cannot read inputs ({error}); give an .npz of input name -> array")\
                 from None
     quiet = getattr(args, "quiet", False) or getattr(args, "json", False)
-    bar = None if quiet or not sys.stderr.isatty() else _progress
+    bar = None if quiet or not terminal.is_terminal(err=True) else _progress
     result = fuse(args.model, target=args.target, verify=not args.no_verify, only=_rules(args.only),
                   progress=bar,
                   skip=_rules(args.skip), upgrade_opset=args.upgrade_opset,
@@ -200,36 +191,38 @@ def _run(command: str, args: argparse.Namespace) -> int:
                   allow_requantization=args.allow_requantization)
     report = result.report
     if command == "explain":
-        print(report.to_json() if args.json else report.explain(verbose=args.verbose))
-        where = sys.stderr if args.json else sys.stdout
+        if args.json:
+            terminal.say_block(report.to_json())
+        else:
+            terminal.say(*report.explain_lines(verbose=args.verbose))
         if args.annotate:  # the report, if asked for, is renamed into place with the annotated copy
             from lnfuse.save.annotate import write_annotated
             labelled = write_annotated(args.model, report, args.annotate, report_file=args.report)
-            print(f"wrote {args.annotate} ({labelled} candidate node(s) annotated)", file=where)
+            terminal.say(f"wrote {args.annotate} ({labelled} candidate node(s) annotated)", err=args.json)
         elif args.report:
             _write_report(args.report, report.to_json(), result.ir_model)
         if args.report:
-            print(f"wrote {args.report}", file=where)
+            terminal.say(f"wrote {args.report}", err=args.json)
         return 0
     if command == "check":
         if args.json:  # the report alone, so that scripts can parse stdout
-            print(report.to_json())
+            terminal.say_block(report.to_json())
             return 1 if report.unfused else 0
         for u in report.unfused:
-            print(f"unfused: {u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
+            terminal.say(f"unfused: {u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
             if args.verbose:
-                for o in u.others:
-                    print(f"  also refused: [{u.rule}/{o.check}] {o.reason} (a form of {o.matched} nodes)")
+                terminal.say(*(f"  also refused: [{u.rule}/{o.check}] {o.reason} (a form of {o.matched} nodes)"
+                               for o in u.others))
         skipped = [u for u in report.unfused if u.check == "skipped"]
         if skipped:  # --only/--skip narrows what is fused, not what the gate counts
-            print(f"lnfuse check: {len(skipped)} candidate(s) of rules that did not run "
-                  f"({', '.join(sorted({u.rule for u in skipped}))}) count as left unfused")
-        print(f"lnfuse check: {len(report.unfused)} candidate(s) left unfused, "
-              f"{sum(report.fused_counts().values())} fusable")
+            terminal.say(f"lnfuse check: {len(skipped)} candidate(s) of rules that did not run "
+                         f"({', '.join(sorted({u.rule for u in skipped}))}) count as left unfused")
+        terminal.say(f"lnfuse check: {len(report.unfused)} candidate(s) left unfused, "
+                     f"{sum(report.fused_counts().values())} fusable")
         return 1 if report.unfused else 0
     if report.model_check is not None and not report.model_check["ok"]:
-        print(f"lnfuse: error: the fused model differs from the original ({report.model_check['summary']}); "
-              "nothing was written, please report this model", file=sys.stderr)
+        terminal.say(f"lnfuse: error: the fused model differs from the original ({report.model_check['summary']}); "
+                     "nothing was written, please report this model", err=True)
         return 1
     if bar is not None:
         bar(0.95, f"writing {args.output}")
@@ -239,10 +232,10 @@ def _run(command: str, args: argparse.Namespace) -> int:
         if bar is not None:
             bar(1.0, "")
     if args.json:
-        print(report.to_json())
+        terminal.say_block(report.to_json())
     elif not args.quiet:
-        print(report.summary(verbose=args.verbose, colour=sys.stdout.isatty()))
-        print(f"wrote {args.output}")
+        terminal.say(*report.summary_lines(verbose=args.verbose, colour=terminal.is_terminal()),
+                     f"wrote {args.output}")
     return 0
 
 
@@ -281,11 +274,7 @@ def run() -> None:
     code = main()
     if sys.getprofile() is not None or sys.gettrace() is not None:
         sys.exit(code)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except OSError:  # a closed pipe: what was printed is lost either way; the exit code still says how it went
-        pass
+    terminal.flush()
     os._exit(code)
 
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import re
 
-#: control characters (a newline or an escape sequence in a file or tensor name) would split or garble the line
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+from lnfuse.terminal import escape
 
-
-def one_line(text: str) -> str:
-    """``text`` with control characters shown as escapes (``\\n``), so it prints as exactly one line."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+#: ``text`` with control, format and line-break characters shown as escapes (``\n``), so it prints as exactly one
+#: line: the one escape the printer uses (``lnfuse.terminal.escape``)
+one_line = escape
 
 
 #: what an allocation failure says when it does not arrive as a MemoryError (ONNX Runtime, protobuf, C++)

@@ -7,6 +7,8 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from lnfuse.terminal import Line, Styled, block, escape
+
 #: the rule name ``decompose`` gives its entries: a ``Fused`` is then a fused op replaced by primitives, an
 #: ``Unfused`` one left as it was
 DECOMPOSE = "decompose"
@@ -116,11 +118,16 @@ class Report:
 
     def summary(self, verbose: bool = False, colour: bool = False, decompose: bool = False) -> str:
         """Small tables: op counts before/after, fused per rule (after ``decompose``: decomposed per op), what was
-        left and why, notes, time. ``decompose``: the report is decompose's, even if it decomposed nothing."""
+        left and why, notes, time. ``decompose``: the report is decompose's, even if it decomposed nothing. Names
+        from the model are escaped (``lnfuse.terminal``): the text's only line breaks are its own."""
+        return block(self.summary_lines(verbose, colour, decompose))
+
+    def summary_lines(self, verbose: bool = False, colour: bool = False, decompose: bool = False) -> list[Line]:
+        """``summary``'s lines, for ``lnfuse.terminal.say``."""
         style = _Style(colour)
         nodes_before, nodes_after = sum(self.ops_before.values()), sum(self.ops_after.values())
-        lines = [style.bold(f"lnfuse: {self.source}") + f"  (target {self.target}, verification "
-                 f"{'on' if self.verified else 'off'}, {self.seconds:.2f} s)", ""]
+        lines: list[Line] = [[style.bold(f"lnfuse: {self.source}"), f"  (target {self.target}, verification "
+                              f"{'on' if self.verified else 'off'}, {self.seconds:.2f} s)"], ""]
         changed = sorted(op for op in set(self.ops_before) | set(self.ops_after)
                          if self.ops_before.get(op, 0) != self.ops_after.get(op, 0))
         rows = [[op, str(self.ops_before.get(op, 0)), str(self.ops_after.get(op, 0))] for op in changed]
@@ -161,11 +168,15 @@ class Report:
         if self.model_check:
             lines.append(f"whole-model check: {self.model_check.get('summary')}")
         lines += [f"note: {note}" for note in self.notes]
-        return "\n".join(lines)
+        return lines
 
     def explain(self, verbose: bool = False) -> str:
         """Every candidate: fused (with what), or left with the deciding check; ``verbose`` also lists the checks
-        that failed on the other forms tried."""
+        that failed on the other forms tried. Names from the model are escaped, as in ``summary``."""
+        return block(self.explain_lines(verbose))
+
+    def explain_lines(self, verbose: bool = False) -> list[str]:
+        """``explain``'s lines, for ``lnfuse.terminal.say``."""
         lines = [f"lnfuse explain: {self.source} (target {self.target})"]
         for f in self.fused:
             attrs = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in f.attributes.items())
@@ -187,18 +198,18 @@ class Report:
             lines.append("no normalization-like candidates")
         for note in self.notes:
             lines.append(f"note: {note}")
-        return "\n".join(lines)
+        return lines
 
 
 class _Style:
-    """ANSI colour on a terminal, plain text elsewhere."""
+    """Colour on a terminal (the printer adds the codes, after escaping), plain text elsewhere."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
 
     def _paint(self, code: str, lines):
         if isinstance(lines, str):
-            return f"\033[{code}m{lines}\033[0m" if self.enabled else lines
+            return Styled(lines, code) if self.enabled else lines
         return [self._paint(code, line) for line in lines]
 
     def bold(self, text):
@@ -212,7 +223,9 @@ class _Style:
 
 
 def _table(header: list[str], rows: list[list[str]], max_width: int = 100) -> list[str]:
-    """Left-aligned columns, numbers right-aligned; the last column is not padded (reasons are long)."""
+    """Left-aligned columns, numbers right-aligned; the last column is not padded (reasons are long). Cells are
+    escaped first, so that columns line up as shown."""
+    header, rows = [escape(cell) for cell in header], [[escape(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     widths = [min(w, max_width) for w in widths]
 

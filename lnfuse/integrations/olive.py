@@ -13,7 +13,6 @@ on an ONNXModel input). Options are ``fuse``'s: target, verify, only, skip, upgr
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from olive.hardware.accelerator import AcceleratorSpec
@@ -23,6 +22,7 @@ from olive.package_config import OlivePackageConfig
 from olive.passes import Pass
 from olive.passes.pass_config import BasePassConfig, PassConfigParam
 
+from lnfuse import terminal
 from lnfuse.api import fuse
 
 
@@ -63,4 +63,4 @@ def package_config() -> dict:
 
 
 if __name__ == "__main__":
-    json.dump(package_config(), sys.stdout, indent=2)
+    terminal.say_block(json.dumps(package_config(), indent=2))

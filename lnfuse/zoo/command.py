@@ -7,11 +7,11 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 from lnfuse import interrupts
+from lnfuse import terminal
 from lnfuse.errors import UsageError
 from lnfuse.version import version_line
 from lnfuse.zoo.inputs import expand
@@ -58,13 +58,14 @@ def run(args: argparse.Namespace) -> int:
                                                        "output": row.get("output_identity")})
     resumed = len(rows)
     if ledger.unsigned:  # always said: rows someone else wrote into this user's ledger are worth knowing of
-        print(f"lnfuse: warning: {ledger.unsigned} row(s) of {ledger.path} are not signed by your lnfuse (written by "
-              "another user or key, an older lnfuse, or edited): ignored, their models run again", file=sys.stderr)
+        terminal.say(f"lnfuse: warning: {ledger.unsigned} row(s) of {ledger.path} are not signed by your lnfuse "
+                     "(written by another user or key, an older lnfuse, or edited): ignored, their models run again",
+                     err=True)
     quiet = args.quiet or args.json
     progress = Progress(len(jobs), quiet=quiet)
     if resumed and not quiet:
-        print(f"lnfuse: {resumed} of {len(jobs)} model(s) already finished in {ledger.path}; running the rest",
-              file=sys.stderr)
+        terminal.say(f"lnfuse: {resumed} of {len(jobs)} model(s) already finished in {ledger.path}; running the rest",
+                     err=True)
     progress.resumed(resumed)
 
     def finished(row: dict) -> None:
@@ -90,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM/SIGHUP raised as one (``interrupts``)
         progress.close()
         said = "" if type(interrupt) is KeyboardInterrupt else f" ({interrupts.name(interrupt)})"
-        print(f"lnfuse: interrupted{said}; {len(rows)} of {len(jobs)} model(s) finished and kept in {ledger.path}; rerun "
-              "the same command to do the rest", file=sys.stderr)
+        terminal.say(f"lnfuse: interrupted{said}; {len(rows)} of {len(jobs)} model(s) finished and kept in "
+                     f"{ledger.path}; rerun the same command to do the rest", err=True)
         return interrupts.exit_code(interrupt)
     finally:
         ledger.close()
@@ -99,10 +100,11 @@ def run(args: argparse.Namespace) -> int:
     ordered = [rows[job.source] for job in jobs]
     code = exit_code(ordered)
     if args.json:
-        print(json.dumps({"exit": code, "models": ordered}, indent=1))
+        terminal.say_block(json.dumps({"exit": code, "models": ordered}, indent=1))  # ASCII: ensure_ascii
     elif not args.quiet:
-        print(closing_table(ordered, wall=time.monotonic() - start, resumed=resumed, verbose=args.verbose))
-        print(f"wrote {output}/ (ledger {ledger.path})")
+        terminal.say_block(closing_table(ordered, wall=time.monotonic() - start, resumed=resumed,
+                                         verbose=args.verbose))
+        terminal.say(f"wrote {output}/ (ledger {ledger.path})")
     return code
 
 

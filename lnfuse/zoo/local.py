@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Callable, Iterator
 
 from lnfuse import interrupts
+from lnfuse import terminal
 from lnfuse.zoo.job import BAD, INTERNAL, Job, identify, run
 from lnfuse.zoo.ledger import LIMITED
 from lnfuse.zoo.limits import available_memory, cap_memory, death
@@ -70,6 +71,11 @@ def _serve(conn: Connection, max_memory: int | None) -> None:
     # what the server imported is there for the worker's life: the cycle collector need not walk it at every full
     # collection (nor touch its pages, which stay shared with the server)
     gc.freeze()
+    with terminal.library_messages():  # a library's warning or log record may quote a model's names
+        _serve(conn, max_memory)
+
+
+def _serve(conn: Connection, max_memory: int | None) -> None:
     while True:
         try:
             message = conn.recv()

@@ -3,19 +3,19 @@ line per finished model otherwise."""
 
 from __future__ import annotations
 
-import sys
 import time
-from typing import TextIO
 
-from lnfuse.errors import one_line
+from lnfuse import terminal
 from lnfuse.zoo.job import Job
 
 
 class Progress:
-    def __init__(self, total: int, *, quiet: bool = False, stream: TextIO | None = None):
-        self.stream = stream if stream is not None else sys.stderr
+    """On stderr, through the printer: a model's name (a file or folder name from a downloaded tree) and its reason
+    are escaped, so each finished model is one line."""
+
+    def __init__(self, total: int, *, quiet: bool = False):
         self.total, self.quiet = total, quiet
-        self.bar = not quiet and self.stream.isatty()
+        self.bar = not quiet and terminal.is_terminal(err=True)
         self.done = self.failed = self.running = self.total_resumed = 0
         self.start = time.monotonic()
 
@@ -40,13 +40,12 @@ class Progress:
         count = f"[{self.done:>{len(str(self.total))}}/{self.total}]"
         how = f"{row['seconds']:.2f} s"
         detail = ", ".join(f"{op} {n}" for op, n in row["fused"].items()) if row["exit"] < 2 else row["reason"]
-        print(f"{count} {row['status']:<15} {how:>15}  {one_line(row['model'])}" + (f"  ({detail})" if detail else ""),
-              file=self.stream, flush=True)
+        terminal.say(f"{count} {row['status']:<15} {how:>15}  {row['model']}" + (f"  ({detail})" if detail else ""),
+                     err=True)
 
     def close(self) -> None:
         if self.bar:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
+            terminal.status()
 
     def _draw(self, label: str) -> None:
         if not self.bar:
@@ -55,9 +54,8 @@ class Progress:
         ran = self.done - self.total_resumed
         eta = "--:--" if not ran else _clock(elapsed / ran * (self.total - self.done))
         filled = round(24 * self.done / max(self.total, 1))
-        self.stream.write(f"\r\033[K[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} done, "
-                          f"{self.failed} failed, {self.running} running, ETA {eta}  {one_line(label)[-40:]}")
-        self.stream.flush()
+        terminal.status(f"[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} done, "
+                        f"{self.failed} failed, {self.running} running, ETA {eta}  {terminal.escape(label)[-40:]}")
 
 
 def _clock(seconds: float) -> str:

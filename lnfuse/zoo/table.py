@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from lnfuse.errors import one_line
+from lnfuse.terminal import block, escape
 from lnfuse.zoo.job import OK
 from lnfuse.zoo.limits import size_text
 
@@ -18,7 +18,8 @@ def exit_code(rows: list[dict]) -> int:
 def closing_table(rows: list[dict], *, wall: float, resumed: int = 0, verbose: bool = False) -> str:
     """Totals (models by outcome, fused per op, refused candidates, seconds, bytes in and out), then one line per
     model that did not end with exit 0 (every model with ``verbose``), saying why. Only the ``this run:`` line
-    differs between a run and its resumption."""
+    differs between a run and its resumption. Every name and reason in it is escaped (``lnfuse.terminal``): the
+    text's only line breaks are its own."""
     statuses = Counter(row["status"] for row in rows)
     fused: Counter[str] = Counter()
     for row in rows:
@@ -28,7 +29,7 @@ def closing_table(rows: list[dict], *, wall: float, resumed: int = 0, verbose: b
     if fused:
         lines += ["", f"{'fused op':<34} {'count':>7} {'models':>7}"]
         for op, count in sorted(fused.items(), key=lambda item: (-item[1], item[0])):
-            lines.append(f"{op:<34} {count:>7} {sum(1 for r in rows if op in r['fused']):>7}")
+            lines.append(f"{escape(op):<34} {count:>7} {sum(1 for r in rows if op in r['fused']):>7}")
     refused = sum(row["refused"] for row in rows)
     bytes_in, bytes_out = sum(r["bytes_in"] for r in rows), sum(r["bytes_out"] for r in rows)
     lines += ["", f"refused candidates: {refused} in {sum(1 for r in rows if r['refused'])} model(s)",
@@ -38,11 +39,11 @@ def closing_table(rows: list[dict], *, wall: float, resumed: int = 0, verbose: b
     shown = [row for row in rows if verbose or row["exit"] != OK]
     if shown:
         shown.sort(key=lambda r: (-r["exit"], r["model"]))
-        width = min(max(len(one_line(r["model"])) for r in shown), 60)
+        width = min(max(len(escape(r["model"])) for r in shown), 60)
         lines += ["", f"{'exit':<4} {'status':<15} {'seconds':>8}  {'model':<{width}}  reason"]
-        lines += [f"{r['exit']:<4} {r['status']:<15} {r['seconds']:>8.2f}  {one_line(r['model']):<{width}}  "
+        lines += [f"{r['exit']:<4} {r['status']:<15} {r['seconds']:>8.2f}  {escape(r['model']):<{width}}  "
                   f"{r['reason']}" for r in shown]
-    return "\n".join(lines)
+    return block(lines)
 
 
 _ORDER = {"fused": 0, "nothing to fuse": 1, "candidates left": 2, "differs": 3, "bad input": 4, "timeout": 5,
