@@ -54,6 +54,16 @@ def user_key() -> bytes:
         return _read(path)
 
 
+def is_key(st: os.stat_result) -> bool:
+    """Whether ``st`` is the key file's: a model folder holding it (a run on ``~/.config``) must not read it as
+    weights, which would copy the key into an output."""
+    try:
+        key = os.stat(key_file(), follow_symlinks=False)
+    except (OSError, UsageError):
+        return False
+    return (key.st_dev, key.st_ino) == (st.st_dev, st.st_ino)
+
+
 def sign(key: bytes, purpose: str, record: dict) -> str:
     """HMAC-SHA256 over ``purpose`` and the canonical JSON of ``record`` (sorted keys, no spaces, ASCII): the same
     for a record read back from its JSON. ``purpose`` keeps a signature of one kind of record from passing for

@@ -389,3 +389,25 @@ def test_a_real_lnfuse_killed_mid_save_is_cleaned_up_by_the_next_run(tmp_path: P
     assert len(stale) == 1 and not (out / "o.onnx").exists()
     assert main([str(external_model(tmp_path / "other")), "-o", str(out / "second.onnx"), "-q"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["ext.data", "second.onnx"], "the dead run's folder is gone"
+
+
+def test_the_key_file_is_never_read_as_a_models_data(tmp_path: Path):
+    """A model folder that holds the key (a run on ``~/.config``) naming ``lnfuse/key`` as external data: refused,
+    so the key is never copied into an output."""
+    config = tmp_path / "config"
+    key = config / "lnfuse" / "key"
+    env = dict(os.environ, LNFUSE_KEY_FILE=str(key))
+    model = external_model(config, "m.onnx", "m.data")
+    proc = subprocess.run([sys.executable, "-m", "lnfuse.cli", str(model), "-o", str(tmp_path / "warm.onnx"), "-q"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and key.is_file(), proc.stderr  # the run made the key (it signs its owner file)
+    proto = onnx.load(model, load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "lnfuse/key"
+    onnx.save(proto, model)
+    proc = subprocess.run([sys.executable, "-m", "lnfuse.cli", str(model), "-o", str(tmp_path / "out.onnx")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and "key file" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.onnx").exists() and not (tmp_path / "out.onnx.data").exists()

@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from lnfuse import userkey
 from lnfuse.load import trust
 from lnfuse.errors import InputError
 from lnfuse.index.ops import is_op
@@ -126,6 +127,8 @@ class Gate:
             # another name for these bytes may live anywhere on the file system (a hard link to a secret is as
             # good as a symbolic one, and cannot be seen through); onnx's checker refuses it as a "hardlink attack"
             raise InputError(f"{said}: the file has {st.st_nlink} hard links; copy it (cp) to a file of its own")
+        if userkey.is_key(st):
+            raise InputError(f"{said}: that is lnfuse's own key file, never a model's data")
         self._files[location] = _File(real, (st.st_dev, st.st_ino), st.st_size,
                                       (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         return self._files[location]
