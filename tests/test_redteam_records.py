@@ -360,19 +360,20 @@ time.sleep(300)
 
 
 def test_a_real_lnfuse_killed_mid_save_is_cleaned_up_by_the_next_run(tmp_path: Path):
-    """SIGKILL of a real ``lnfuse`` while it writes a 1 GiB data file: its temporary folder stays behind, and the
+    """SIGKILL of a real ``lnfuse`` while it writes a 256 MiB data file: its temporary folder stays behind, and the
     next run writing to that folder removes it (its owner file is signed, its process gone, its lock free)."""
     model = external_model(tmp_path / "m")
     proto = onnx.load(model, load_external_data=False)
-    big = TensorProto(name="big", data_type=TensorProto.FLOAT, dims=[1 << 28], raw_data=b"\0")
-    set_external_data(big, "big.data", 0, 1 << 30)
+    big = TensorProto(name="big", data_type=TensorProto.FLOAT, dims=[1 << 26], raw_data=b"\0")
+    set_external_data(big, "big.data", 0, 1 << 28)
     big.ClearField("raw_data")
     big.data_location = TensorProto.EXTERNAL
     proto.graph.initializer.append(big)
     proto.graph.node.append(onnx.helper.make_node("Size", ["big"], ["n"]))
     proto.graph.output.append(onnx.helper.make_tensor_value_info("n", TensorProto.INT64, []))
-    with open(tmp_path / "m" / "big.data", "wb") as f:
-        f.truncate(1 << 30)
+    with open(tmp_path / "m" / "big.data", "wb") as f:  # real bytes: holes would be copied in no time
+        for _ in range(16):
+            f.write(b"\x01" * (1 << 24))
     model.write_bytes(proto.SerializeToString())
     out = tmp_path / "out"
     out.mkdir()
@@ -388,7 +389,8 @@ def test_a_real_lnfuse_killed_mid_save_is_cleaned_up_by_the_next_run(tmp_path: P
     stale = list(out.glob(".*.lnfuse-tmp"))
     assert len(stale) == 1 and not (out / "o.onnx").exists()
     assert main([str(external_model(tmp_path / "other")), "-o", str(out / "second.onnx"), "-q"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["ext.data", "second.onnx"], "the dead run's folder is gone"
+    assert sorted(p.name for p in out.iterdir()) == ["second.onnx", "second.onnx.data"], \
+        "the dead run's folder is gone"
 
 
 def test_the_key_file_is_never_read_as_a_models_data(tmp_path: Path):
@@ -411,3 +413,22 @@ def test_the_key_file_is_never_read_as_a_models_data(tmp_path: Path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2 and "key file" in proc.stderr, proc.stderr
     assert not (tmp_path / "out.onnx").exists() and not (tmp_path / "out.onnx.data").exists()
+
+
+def test_a_dead_runs_folder_holding_what_this_run_reads_is_kept(tmp_path: Path):
+    """A genuine dead run's folder (signed with the user's key, its process gone) that holds the data file of the
+    model being fused: not removed before the weights are read, and not after."""
+    folder = tmp_path / "download"
+    folder.mkdir()
+    model = _weights_in_a_fake_staging_folder(folder, b"")
+    st = os.lstat(folder / FAKE)
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    record = {"folder": FAKE, "inode": [st.st_dev, st.st_ino], "host": socket.gethostname(),
+              "boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(), "pid": gone, "start": 1}
+    record["signature"] = userkey.sign(userkey.user_key(), OWNER, record)
+    (folder / FAKE / ".lnfuse-owner").write_bytes(json.dumps(record).encode())
+    expected = _outputs(model)
+    assert main([str(model), "-o", str(folder / "fused.onnx"), "-q"]) == 0
+    assert (folder / FAKE / "ext.data").is_file(), "a file this run reads is never deleted"
+    np.testing.assert_allclose(_outputs(folder / "fused.onnx"), expected, atol=1e-4, rtol=1e-4)

@@ -36,8 +36,10 @@ _OWNER_MAX = 4096
 class Staging:
     """Temporary folders, one per destination folder, whose files are renamed into place by ``commit``."""
 
-    def __init__(self) -> None:
+    def __init__(self, reads: set[tuple[int, int]] = frozenset()) -> None:
+        """``reads``: (device, inode) of every file the run reads; a dead run's folder holding one is kept."""
         self._areas: dict[str, tuple[Path, Path, int | None]] = {}  # real destination folder -> (folder, temp, lock fd)
+        self._reads = reads
 
     def __enter__(self) -> Staging:
         return self
@@ -52,7 +54,7 @@ class Staging:
         if key not in self._areas:
             secret = _key()
             if secret is not None:
-                remove_stale(folder, secret)
+                remove_stale(folder, secret, self._reads)
             temp = folder / f".{secrets.token_hex(6)}.lnfuse-tmp"
             # known before it exists, so that a Ctrl-C at any point still has it removed by close()
             self._areas[key] = (folder, temp, None)
@@ -89,10 +91,11 @@ class Staging:
         self._areas.clear()
 
 
-def remove_stale(folder: Path, key: bytes) -> None:
+def remove_stale(folder: Path, key: bytes, reads: set[tuple[int, int]] = frozenset()) -> None:
     """Remove temporary folders of this user's runs on this machine that died without cleaning up (SIGKILL, power
     loss): only a folder named as lnfuse names them, owned by this user, whose owner file is signed with ``key`` for
-    this very folder, whose run is gone, and whose lock no live process holds. Anything else is left alone."""
+    this very folder, whose run is gone, whose lock no live process holds, and that holds none of the files this run
+    reads (``reads``: device and inode). Anything else is left alone."""
     try:
         entries = list(os.scandir(folder))
     except OSError:
@@ -109,12 +112,25 @@ def remove_stale(folder: Path, key: bytes) -> None:
                 continue
             try:
                 record = _signed_record(fd, key)
-                if record is None or not _names(record, entry.name, st) or not _dead(record):
+                if record is None or not _names(record, entry.name, st) or not _dead(record) \
+                        or _holds(entry.path, reads):
                     continue
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its run is alive
                 shutil.rmtree(entry.path)
             finally:
                 os.close(fd)
+
+
+def _holds(path: str, reads: set[tuple[int, int]]) -> bool:
+    """Whether the folder ``path`` holds (at any depth, links not followed) a file of ``reads``."""
+    if not reads:
+        return False
+    for root, _, files in os.walk(path):
+        for name in files:
+            st = os.lstat(os.path.join(root, name))
+            if (st.st_dev, st.st_ino) in reads:
+                return True
+    return False
 
 
 def _key() -> bytes | None:

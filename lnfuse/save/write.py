@@ -69,9 +69,9 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
     moved = weights.to_data_file(spill, os.path.realpath(folder))
     data = folder / (target.name + ".data")
     written = [target] + ([data] if moved else []) + ([report_path] if report_path is not None else [])
-    _check_overwrites(model, weights, written, input_path, in_place, source)
+    reads = _check_overwrites(model, weights, written, input_path, in_place, source)
     try:
-        with Staging() as staging:
+        with Staging(reads) as staging:
             tmp = staging.area(folder)
             _write(model, weights, moved, tmp / target.name, source)
             if report is not None:
@@ -154,8 +154,9 @@ class _Weights:
 
 
 def _check_overwrites(model: ir.Model, weights: _Weights, writes: list[Path], input_path: Path | None,
-                      in_place: bool, source: SourceWeights | None) -> None:
-    """Before anything is written: no path the run writes is a file it reads (see ``trust.check_no_overwrite``)."""
+                      in_place: bool, source: SourceWeights | None) -> set[tuple[int, int]]:
+    """Before anything is written: no path the run writes is a file it reads (see ``trust.check_no_overwrite``).
+    Returns the (device, inode) of the files it reads."""
     read_paths = [input_path] if input_path is not None else []
     read_paths += [source.file.path] if source is not None else []
     read_paths += model.meta.get(INPUT_FILES, [])
@@ -169,6 +170,7 @@ def _check_overwrites(model: ir.Model, weights: _Weights, writes: list[Path], in
         # the input model is replaced as asked, and so may be the data file its replacement writes
         allowed = {trust.identity(p) for p in writes} - {None}
     trust.check_no_overwrite(reads, writes, allowed)
+    return set(reads)
 
 
 def _hold_replaced(weights: _Weights, target: Path) -> None:
