@@ -615,7 +615,7 @@ def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Rep
             by_refusal.setdefault(id(decided.refusal), (decided, attempts, []))[2].append(anchor)
         for decided, attempts, anchors in by_refusal.values():
             reported.update(anchors)
-            report.unfused.append(Unfused(
+            (report.kept if rule.refines else report.unfused).append(Unfused(
                 rule=rule.name, graph=scope.path, anchor=", ".join(f"{a.op_type} '{a.name}'" for a in anchors),
                 check=decided.refusal.check, reason=decided.refusal.detail, nodes=[_label(n) for n in decided.nodes],
                 others=_others(decided, attempts)))

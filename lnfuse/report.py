@@ -76,6 +76,8 @@ class Report:
     ops_after: dict[str, int] = field(default_factory=dict)
     fused: list[Fused] = field(default_factory=list)
     unfused: list[Unfused] = field(default_factory=list)
+    #: fused norms a later rule could not fold more into (a residual, the embeddings): kept as they are, not left
+    kept: list[Unfused] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     ort_only: bool = False
     seconds: float = 0.0
@@ -154,6 +156,10 @@ class Report:
                                           for u in shown]))
             if len(shown) < len(self.unfused):
                 lines.append(f"... {len(self.unfused) - len(shown)} more (-v, or lnfuse explain)")
+        if verbose and self.kept:
+            lines.append("")
+            lines += _table([f"kept as fused ({len(self.kept)})", "rule/check", "why not more"],
+                            [[f"{k.graph}: {k.anchor}", f"{k.rule}/{k.check}", k.reason] for k in self.kept])
         if verbose:
             lines.append("")
             for f in self.fused:
@@ -190,6 +196,8 @@ class Report:
                           for o in u.others]
             elif u.others:
                 lines.append(f"        ({len(u.others)} other check(s) failed on other forms tried; -v lists them)")
+        for k in self.kept:
+            lines.append(f"KEPT    {k.graph}: {k.anchor} as it is [{k.rule}/{k.check}] {k.reason}")
         if self.candidates:
             left = sum(not c.fused for c in self.candidates)
             lines.append(f"{len(self.candidates)} norm-like statistic(s) found: {len(self.candidates) - left} fused, "

@@ -249,7 +249,7 @@ def trailing_axes(axes: tuple[int, ...], node: ir.Node) -> int:
     shape = node.inputs[0].shape
     if shape is not None and len(shape) >= k and any(d == 0 for d in list(shape)[len(shape) - k:]):
         # the mean of nothing: the graph gives an empty tensor, the fused kernels refuse to run
-        raise Refusal("shape", f"ReduceMean '{node.name}' normalizes over an empty axis {list(shape)}")
+        raise Refusal("shape", f"ReduceMean '{node.name}' normalizes over an empty axis {dims_text(shape)}")
     return k
 
 
@@ -394,12 +394,12 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
         raise Refusal(what, f"the shape of {what} '{value.name}' is unknown")
     dims = list(shape)
     if x_rank is not None and len(dims) > x_rank:
-        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)}, which raises the rank of the input "
+        raise Refusal(what, f"{what} '{value.name}' has shape {dims_text(dims)}, which raises the rank of the input "
                       f"(rank {x_rank})")
     lead, tail = dims[:-k] if len(dims) > k else [], dims[-k:] if k else []
     if any(d != 1 for d in lead):
         # a constant is a near-miss worth reporting; a run-time tensor of full shape is just the next op's operand
-        raise Refusal(what if is_static(source) else "operand", f"{what} '{value.name}' has shape {_fmt(dims)}: it "
+        raise Refusal(what if is_static(source) else "operand", f"{what} '{value.name}' has shape {dims_text(dims)}: it "
                       f"varies over the leading axes, not only the {k} normalized one(s); left outside the fused op")
     x_tail = list(x.shape)[-k:] if x.shape is not None else [None] * k
     target = []
@@ -411,11 +411,11 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
         elif same_dim(have, want):
             target.append(want)  # a run-time operand of the input's own (named) normalized dims: [N] for [M, N]
         else:
-            raise Refusal(what, f"the normalized dims of the input {_fmt(x_tail)} are not known, so {what} "
-                          f"'{value.name}' {_fmt(dims)} cannot be laid out for the fused op")
+            raise Refusal(what, f"the normalized dims of the input {dims_text(x_tail)} are not known, so {what} "
+                          f"'{value.name}' {dims_text(dims)} cannot be laid out for the fused op")
     for have, want in zip([1] * (k - len(tail)) + tail, target):
         if have != want and have != 1:
-            raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)}, which does not broadcast onto the "
+            raise Refusal(what, f"{what} '{value.name}' has shape {dims_text(dims)}, which does not broadcast onto the "
                           f"normalized dims {target}")
     if all(isinstance(d, int) for d in target):
         check_laid_out(target, what)
@@ -434,12 +434,12 @@ def param_as(ctx: GraphContext, value: ir.Value, x: ir.Value, k: int, dtype: ir.
         raise Refusal("dtype", f"{what} '{value.name}' is {dtype_of(source)} at run time and the fused op "
                       f"needs {dtype}")
     if tail != target:
-        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)} at run time; the fused op needs {target}")
+        raise Refusal(what, f"{what} '{value.name}' has shape {dims_text(dims)} at run time; the fused op needs {target}")
     if dims == target:
         return source
     if not all(isinstance(d, int) for d in target):
-        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(dims)} at run time: a Reshape to the normalized "
-                      f"dims {_fmt(target)} needs their sizes, which are known only at run time")
+        raise Refusal(what, f"{what} '{value.name}' has shape {dims_text(dims)} at run time: a Reshape to the normalized "
+                      f"dims {dims_text(target)} needs their sizes, which are known only at run time")
     reshape = ctx.node("Reshape", [source, ctx.constant(np.array(target, dtype=np.int64), f"{what}_shape")],
                        hint=what)
     reshape.outputs[0].type = ir.TensorType(dtype)
@@ -470,10 +470,10 @@ def channel_param(ctx: GraphContext, value: ir.Value, x: ir.Value, axis: int, dt
         raise Refusal(what, f"{what} '{value.name}' of a channels-first norm must be a constant over a channel axis "
                       "of known size")
     if array.ndim > rank:
-        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(array.shape)}, which raises the rank")
+        raise Refusal(what, f"{what} '{value.name}' has shape {dims_text(array.shape)}, which raises the rank")
     dims = [1] * (rank - array.ndim) + list(array.shape)
     if any(d != 1 for i, d in enumerate(dims) if i != axis) or dims[axis] not in (1, channels):
-        raise Refusal(what, f"{what} '{value.name}' has shape {_fmt(array.shape)}: it does not vary along the "
+        raise Refusal(what, f"{what} '{value.name}' has shape {dims_text(array.shape)}: it does not vary along the "
                       f"channel axis {axis} only")
     check_laid_out([channels], what)
     converted = _exact_astype(np.broadcast_to(array.reshape(-1), (channels,)), dtype)
@@ -489,7 +489,7 @@ def _exact_astype(array: np.ndarray, dtype: ir.DataType) -> np.ndarray | None:
     return converted if np.array_equal(back, original, equal_nan=True) else None
 
 
-def _fmt(dims) -> str:
+def dims_text(dims) -> str:
     return "[" + ",".join(str(d) for d in dims) + "]"
 
 

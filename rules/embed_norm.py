@@ -166,6 +166,7 @@ class _Lookup:
 class EmbedNorm(Rule):
     name = "embed_norm"
     anchors = frozenset({"LayerNormalization", "SkipLayerNormalization"})
+    refines = True
     targets = frozenset({"ort"})
     reports_fallback = True  # a refused block still becomes a Skip op: the user needs to know why it is not more
     # no-ops between the sum and the norm (paddle2onnx's Identity, an inference Dropout) are read through
@@ -443,7 +444,7 @@ def _check_broadcast_of_sum(node: ir.Node, out: list[_Dim], grown: list[int], to
     offset = len(sum_dims) - len(out)
     if offset < 0 or any(out[a] != sum_dims[a + offset] for a in grown):
         raise Refusal("lookup", f"Expand '{node_name(node)}' repeats the looked-up rows to {_fmt(out)}, not to the "
-                      f"embedding sum's own dims {list(total.shape)}: it is more than the Add's broadcast")
+                      f"embedding sum's own dims {_fmt(list(total.shape))}: it is more than the Add's broadcast")
 
 
 def _view_axes(node: ir.Node) -> list[int] | None:
@@ -755,7 +756,7 @@ def _check_table(lookup: _Lookup, hidden: int, dtype: ir.DataType) -> None:
     shape = lookup.table.shape
     if shape is None or len(shape) != 2 or shape[1] != hidden or dtype_of(lookup.table) != dtype:
         raise Refusal("table", f"table '{lookup.table.name}' is {dtype_of(lookup.table)}"
-                      f"{None if shape is None else list(shape)}; the kernel needs {dtype}[rows, {hidden}]")
+                      f"{'unknown' if shape is None else _fmt(list(shape))}; the kernel needs {dtype}[rows, {hidden}]")
 
 
 def _vector(value: ir.Value, hidden: int, dtype: ir.DataType, what: str) -> ir.Value:

@@ -23,7 +23,7 @@ import onnx_ir as ir
 from lnfuse.match.pattern import Either, Match, Op, Var, attr_value, noop_outputs, through_noops
 from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
 from lnfuse.index.ops import onnx_op
-from ._common import dtype_of, kernel_epsilon, node_name, rank_of, read_outside
+from ._common import dims_text, dtype_of, kernel_epsilon, node_name, rank_of, read_outside
 
 _KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _LAYER = ("LayerNormalization",)
@@ -84,6 +84,7 @@ SUM = Either(
 class SkipNorm(Rule):
     name = "skip_norm"
     anchors = frozenset(_LAYER + _RMS)
+    refines = True
     targets = frozenset({"ort"})
     # addends whose shapes onnx's inference cannot relate are refused (``_input_and_skip``), never fused smaller;
     # a no-op it cannot read through for want of a type is an anchor left in doubt (``engine._undecided``)
@@ -209,7 +210,7 @@ def _input_and_skip(a: ir.Value, b: ir.Value, s: ir.Value) -> tuple[ir.Value, ir
     """The full-shape addend is the kernel's input; the other may be (B,S,H), (1,S,H) or (S,H)."""
     full = list(s.shape)
     if any(not isinstance(d, int) and d.value is None for d in full):
-        raise Refusal("shape", f"the shape of the residual sum '{s.name}' is not fully known ({full})")
+        raise Refusal("shape", f"the shape of the residual sum '{s.name}' is not fully known ({dims_text(full)})")
     for x, skip in ((a, b), (b, a)):
         if x.shape is None or list(x.shape) != full or skip.shape is None or dtype_of(skip) != dtype_of(x):
             continue
@@ -217,7 +218,7 @@ def _input_and_skip(a: ir.Value, b: ir.Value, s: ir.Value) -> tuple[ir.Value, ir
         if dims == full or (len(full) >= 3 and dims in ([1] + full[1:], full[1:])):
             return x, skip
     raise Refusal("shape", f"the addends of '{s.name}' have shapes {_shape(a)} and {_shape(b)}; the kernel needs "
-                  f"one of shape {full} and the other {full}, [1, S, H] or [S, H]")
+                  f"one of shape {dims_text(full)} and the other {dims_text(full)}, [1,S,H] or [S,H]")
 
 
 def _flattened(ctx: GraphContext, x: ir.Value, skip: ir.Value, c: int,
@@ -291,8 +292,8 @@ def _ints(ctx: GraphContext, values: list[int], hint: str) -> ir.Value:
     return ctx.constant(np.array(values, np.int64), f"{hint}/shape")
 
 
-def _shape(value: ir.Value):
-    return None if value.shape is None else list(value.shape)
+def _shape(value: ir.Value) -> str:
+    return "unknown" if value.shape is None else dims_text(value.shape)
 
 
 def _trim_unused_outputs(node: ir.Node, used: set[ir.Value]) -> None:

@@ -118,6 +118,9 @@ class Rule(abc.ABC):
     near_misses: Sequence[tuple[Pattern, str, str]] = ()
     #: when this rule refuses a candidate that a later rule then fuses as something smaller, say why in a note
     reports_fallback: bool = False
+    #: its anchors are fused norms already (it folds a residual or the embeddings into them): a refusal leaves the
+    #: norm fused in the form it has, which is reported as kept, never as a candidate left unfused
+    refines: bool = False
     #: where it cannot tell how the run-time tensors a match reads relate in shape, the rule may choose a smaller
     #: form without refusing (the embedding rule takes positions as an input rather than 0..S-1); the fusions of a
     #: rule that refuses instead stand on onnx's shapes, and do not make the symbolic inference run

@@ -267,9 +267,9 @@ def _check_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
         got = feeds[value.name]
         dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
         if got.dtype != want or got.ndim != len(dims) or any(d not in (None, g) for d, g in zip(dims, got.shape)):
-            shape = [d if d is not None else "?" for d in dims]
-            raise UsageError(f"--inputs '{value.name}' is {got.dtype}{list(got.shape)}; the model takes {want}"
-                             f"{shape}")
+            shape = ",".join("?" if d is None else str(d) for d in dims)
+            raise UsageError(f"--inputs '{value.name}' is {got.dtype}[{','.join(map(str, got.shape))}]; the model "
+                             f"takes {want}[{shape}]")
 
 
 def _tolerance(elem_type: int | None) -> tuple[float, float]:
