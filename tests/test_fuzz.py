@@ -17,6 +17,12 @@ and a file named like every location the model mentions) and checks the contract
 - no canary byte appears in any output file, in the written model's dims, on stdout or stderr;
 - the run stays within the memory budget (``_MEMORY_LIMIT``) and never blocks (``_TIMEOUT``).
 
+A third of the cases attack the write side (issue 27; ``make_write_case``): hostile names (terminal escapes, bidi
+controls, forged verdict lines), locations naming the user's files, local functions shadowing standard ops, folder
+shapes (links to the folder itself, a fake staging folder, a shipped ledger), run through fuse, ``-v``, explain, check
+or a many-model run. Every case also has the user's files in the output folder, which must stay byte-identical, and
+what lnfuse prints may hold no control byte and no forged verdict line.
+
 CI runs ``LNFUSE_FUZZ`` cases (default 300); ``LNFUSE_FUZZ=20000 pytest tests/test_fuzz.py`` is a long campaign
 (``LNFUSE_FUZZ_SEED`` picks another series). A failing case prints the case number that reproduces it:
 ``LNFUSE_FUZZ_CASE=<n> pytest tests/test_fuzz.py -k campaign``.
