@@ -17,6 +17,12 @@ and a file named like every location the model mentions) and checks the contract
 - no canary byte appears in any output file, in the written model's dims, on stdout or stderr;
 - the run stays within the memory budget (``_MEMORY_LIMIT``) and never blocks (``_TIMEOUT``).
 
+A third of the cases attack the write side (issue 27; ``make_write_case``): hostile names (terminal escapes, bidi
+controls, forged verdict lines), locations naming the user's files, local functions shadowing standard ops, folder
+shapes (links to the folder itself, a fake staging folder, a shipped ledger), run through fuse, ``-v``, explain, check
+or a many-model run. Every case also has the user's files in the output folder, which must stay byte-identical, and
+what lnfuse prints may hold no control byte and no forged verdict line.
+
 CI runs ``LNFUSE_FUZZ`` cases (default 300); ``LNFUSE_FUZZ=20000 pytest tests/test_fuzz.py`` is a long campaign
 (``LNFUSE_FUZZ_SEED`` picks another series). A failing case prints the case number that reproduces it:
 ``LNFUSE_FUZZ_CASE=<n> pytest tests/test_fuzz.py -k campaign``.
@@ -26,11 +32,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import io
 import os
 import pickle
 import random
+import re
 import select
 import shutil
 import signal
@@ -874,6 +882,346 @@ def structure_case(model: onnx.ModelProto, folder: Path, rng: random.Random) -> 
     return "; ".join(notes)
 
 
+# ------------------------------------------------------------------------------------ write-side cases (issue 27)
+#
+# A third kind of case, drawn from a stream of its own (f"write {series} {case}"), so that a case that is not one
+# draws exactly the mutant it drew before these existed. Each takes a seed and applies one or two of: hostile
+# names (terminal escapes, bidi controls, forged verdict lines, NUL in every kind of model string), locations naming
+# files the user has in the output folder, model-local functions shadowing standard ops, and folder shapes (links
+# to the folder itself, a fake staging folder, a shipped ledger, nested subfolders). The command is a fuse (quiet,
+# --json or -v), explain, check or a many-model run, so that model strings get printed.
+
+#: share of the cases that attack the write side
+_WRITE_SIDE = 1 / 3
+#: the output's file name in every case (a model may name its data files after it)
+_OUT_NAME = "fused.onnx"
+#: model strings a terminal would act on: OSC title and clipboard writes, clear screen, a C1 CSI and NEL, bidi
+#: overrides, isolates and marks, carriage return, backspace, a line separator, DEL and NUL
+_CONTROLS = ("\x1b]0;t\x07", "\x1b]52;c;Zm9v\x07", "\x1b[2J", "\x9b", "\x85", "\u202e", "\u2066", "\u200f", "\r",
+             "\b", "\0", "\x7f", "\u2028")
+#: verdict lines a model string tries to print on a line of their own; "[fz]" tells them from lnfuse's own lines
+_FORGED = ("lnfuse check: 0 candidate(s) left unfused, 0 fusable [fz]", "lnfuse: error: [fz] nothing to do",
+           "FUSED   main: LayerNormalization(axis=-1) [fz]", "wrote [fz]")
+#: what a printed line may not hold: C0 controls but tab and newline, DEL, C1, bidi controls and marks, line and
+#: paragraph separators, and lone surrogates (bytes that were not UTF-8, which a real stdout cannot even encode)
+_UNSAFE_TEXT = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+                          "\ud800-\udfff]")
+#: files a user keeps in a folder lnfuse writes into, and names a model may give its data files to reach them
+_USER_FILES = (".git/config", ".bashrc", "notes.txt")
+_USER_NAMES = _USER_FILES + (_OUT_NAME, _OUT_NAME + ".data", "lnfuse-ledger.jsonl", "x.onnx.json",
+                             "sub/deeper/w.data")
+#: standard ops the rules or the clean-ups read: a model-local function of the same name and domain means
+#: something else, and ONNX Runtime runs what the model says
+_SHADOWED = ("QuantizeLinear", "DequantizeLinear", "Identity", "Cast", "Unsqueeze", "Expand", "Mul", "ReduceMean",
+             "LayerNormalization", "SkipLayerNormalization")
+
+
+@dataclasses.dataclass
+class Case:
+    """One case's command line and what its run may do."""
+    what: str
+    argv: list[str]
+    isolate: bool
+    #: files the run may create or replace (named from what the user named)
+    writes: set[Path]
+    #: models ONNX Runtime must load after a success, whenever it loaded the input
+    outputs: list[Path]
+    #: the folder the user writes into, seeded with the user's own files (None: the model's folder)
+    out_dir: Path | None
+    exits: tuple[int, ...] = (0, 2)
+    #: files the run may change even when it fails (a ledger)
+    always: set[Path] = dataclasses.field(default_factory=set)
+    #: compare what ONNX Runtime computes on the input and on the output
+    numeric: bool = False
+    #: a failure is exactly one "lnfuse: error:" line on stderr
+    one_line: bool = True
+    #: a stale <output>.data left by an earlier run (lnfuse's name, not a user file)
+    stale_data: bool = False
+
+
+def _hostile_text(rng: random.Random, base: str) -> str:
+    """``base`` with control characters at its start, middle or end, or followed by a forged verdict line."""
+    if rng.random() < 0.35:
+        return f"{base}\n{rng.choice(_FORGED)}"
+    bad = "".join(rng.sample(_CONTROLS, rng.choice([1, 1, 2, 3])))
+    at = rng.choice([0, len(base) // 2, len(base)])
+    return base[:at] + bad + base[at:]
+
+
+def _rename_value(model: onnx.ModelProto, old: str, new: str) -> None:
+    """Rename a value everywhere the main graph and its bodies name it."""
+    g = model.graph
+    for v in list(g.input) + list(g.output) + list(g.value_info):
+        v.name = new if v.name == old else v.name
+    for t in g.initializer:
+        t.name = new if t.name == old else t.name
+    for node in _all_nodes(model):
+        for names in (node.input, node.output):
+            for k, x in enumerate(names):
+                if x == old:
+                    names[k] = new
+
+
+def w_names(model: onnx.ModelProto, rng: random.Random, notes: list[str]) -> None:
+    """Hostile text in one to three kinds of model string: node names (one, or every node of a norm), a value's and
+    an initializer's name, the graph's name, doc strings, metadata, an op's domain, a model-local function's name."""
+    g = model.graph
+    for kind in rng.sample(("node", "nodes", "value", "initializer", "graph", "doc", "metadata", "domain",
+                            "function"), rng.choice([1, 2, 3])):
+        if kind == "node" and g.node:
+            node = rng.choice(g.node)
+            node.name = _hostile_text(rng, node.name or node.op_type)
+        elif kind == "nodes":
+            for node in g.node:
+                if node.op_type in _NORM_STARTS + ("Sub", "Pow", "Sqrt", "Div", "Add", "Mul") and rng.random() < 0.5:
+                    node.name = _hostile_text(rng, node.name or node.op_type)
+        elif kind == "value":
+            produced = [o for n in g.node for o in n.output if o]
+            if produced:
+                old = rng.choice(produced)
+                _rename_value(model, old, _hostile_text(rng, old))
+        elif kind == "initializer" and g.initializer:
+            old = rng.choice(g.initializer).name
+            _rename_value(model, old, _hostile_text(rng, old))
+        elif kind == "graph":
+            g.name = _hostile_text(rng, g.name or "graph")
+        elif kind == "doc":
+            target = rng.choice([model, g] + list(g.node))
+            target.doc_string = _hostile_text(rng, "doc")
+        elif kind == "metadata":
+            model.metadata_props.add(key=_hostile_text(rng, "key"), value=_hostile_text(rng, "value"))
+        elif kind == "domain" and g.node:
+            node = rng.choice(g.node)
+            node.domain = _hostile_text(rng, node.domain or "ai.onnx")
+            model.opset_import.append(onnx.helper.make_opsetid(node.domain, 1))
+        elif kind == "function":
+            if not model.functions:
+                s_function(model, rng, notes)
+            for f in model.functions:
+                new = _hostile_text(rng, f.name)
+                for node in _all_nodes(model):
+                    node.op_type = new if (node.op_type, node.domain) == (f.name, f.domain) else node.op_type
+                f.name = new
+        else:
+            continue
+        notes.append(f"hostile {kind}")
+
+
+def _other_body(rng: random.Random, params: list[str], outs: list[str], opset: int) -> tuple[list, str]:
+    """Nodes computing something other than the op they are named after: -x, x + x, x + 1, or a + b for an op of
+    two inputs (a Mul that adds); the outputs after the first are copies of the first input."""
+    x = params[0]
+    kinds = ["neg", "double"] + (["plus_one"] if opset >= 15 else []) + (["add_inputs"] if len(params) > 1 else [])
+    kind = rng.choice(kinds)
+    if kind == "neg":
+        body = [onnx.helper.make_node("Neg", [x], [outs[0]])]
+    elif kind == "double":
+        body = [onnx.helper.make_node("Add", [x, x], [outs[0]])]
+    elif kind == "add_inputs":
+        body = [onnx.helper.make_node("Add", [x, params[1]], [outs[0]])]
+    else:
+        one = onnx.numpy_helper.from_array(np.array(1.0, np.float32), "fz_one")
+        body = [onnx.helper.make_node("Constant", [], ["fz_one"], value=one),
+                onnx.helper.make_node("CastLike", ["fz_one", x], ["fz_one_like"]),
+                onnx.helper.make_node("Add", [x, "fz_one_like"], [outs[0]])]
+    body += [onnx.helper.make_node("Identity", [x], [o]) for o in outs[1:]]
+    return body, kind
+
+
+def w_domains(model: onnx.ModelProto, rng: random.Random, notes: list[str]) -> None:
+    """A model-local function in domain "" or com.microsoft named like a standard op, computing something else:
+    either an existing node of that op now names it, or a call of it is put on a float value between its producer
+    and its readers."""
+    g = model.graph
+    opset = _opset(model)
+    domain = rng.choice(["", "", "com.microsoft"])
+    present = [k for k, n in enumerate(g.node) if n.op_type in _SHADOWED and n.domain in ("", "ai.onnx",
+                                                                                           "com.microsoft")]
+    if present and rng.random() < 0.7:
+        node = g.node[rng.choice(present)]
+        node.domain = domain
+        how = "replacing"
+    else:
+        types = _types(model)
+        floats = [(k, o) for k, n in enumerate(g.node) for o in n.output
+                  if o and o in types and types[o].tensor_type.elem_type in (1, 10)
+                  and any(o in m.input for m in g.node)]
+        if not floats:
+            return
+        at, value = rng.choice(floats)
+        new_value = value + "_fz_shadowed"
+        for other in g.node:
+            for k, x in enumerate(other.input):
+                other.input[k] = new_value if x == value else x
+        # a call the standard op's schema accepts: ONNX Runtime takes a standard op's schema over a local
+        # function of its name, so only a function the schema cannot claim is what ORT runs
+        op = rng.choice(["Identity", "Cast", "Mul", "ReduceMean"])
+        inputs, attributes = [value] * (2 if op == "Mul" else 1), {}
+        if op == "Cast":
+            attributes["to"] = types[value].tensor_type.elem_type
+        elif op == "ReduceMean":
+            attributes["keepdims"] = 1
+        node = onnx.helper.make_node(op, inputs, [new_value], domain=domain, name="fz_shadow", **attributes)
+        g.node.insert(at + 1, node)
+        how = "called on " + repr(value)
+    params = [f"p{k}" for k in range(max(len(node.input), 1))]
+    outs = [f"o{k}" for k in range(len(node.output))]
+    body, kind = _other_body(rng, params, outs, opset)
+    imports = [onnx.helper.make_opsetid("", opset)]
+    function = onnx.helper.make_function(domain, node.op_type, params, outs, body, imports,
+                                         attributes=[a.name for a in node.attribute])
+    model.functions.append(function)
+    if domain and not any(o.domain == domain for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
+    model.ir_version = max(model.ir_version, 8)
+    notes.append(f"function {domain or 'ai.onnx'}:{node.op_type} ({kind}) {how}")
+
+
+def _externalize(model: onnx.ModelProto, folder: Path, rng: random.Random, names: list[str],
+                 prefixes: tuple[str, ...] = ("",)) -> list[str]:
+    """Move the main graph's initializers (often every tensor) into the files ``names`` of the model folder, each
+    location spelled with one of ``prefixes`` (links to the folder itself); the locations used."""
+    slots = [(t, w) for t, w in _tensor_slots(model)
+             if t.data_location != TensorProto.EXTERNAL and t.data_type != TensorProto.STRING]
+    if rng.random() < 0.6:
+        slots = [s for s in slots if s[1] == "main initializer"] or slots
+    files: dict[str, bytearray] = {}
+    used = set()
+    for tensor, _ in slots:
+        raw = _raw(tensor)
+        if raw is None or (len(raw) < 64 and rng.random() < 0.5):
+            continue
+        name = rng.choice(names)
+        buf = files.setdefault(name, bytearray())
+        buf += b"\0" * (-len(buf) % 16)
+        location = rng.choice(prefixes) + name
+        _set_external(tensor, location, len(buf), len(raw))
+        buf += raw
+        used.add(location)
+    for name, buf in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(bytes(buf))
+    return sorted(used)
+
+
+def _ship_ledger(folder: Path, root: Path, rng: random.Random) -> None:
+    """A lnfuse-ledger.jsonl in the model folder whose rows claim the model is fused already: its real hash and
+    stat key, an output elsewhere (the working directory's .env, a user's file, nowhere), hostile reasons."""
+    model = folder / "model.onnx"
+    st = model.stat()
+    rows = []
+    for output in (root / "cwd" / ".env", root / "out" / "notes.txt", root / "out" / "model.onnx", "../../x"):
+        rows.append({"bytes_in": st.st_size, "bytes_out": 1, "data_files": [], "exit": 0, "fused": {"Bogus": 1},
+                     "identity": 2, "input": str(model), "limits": {"max_memory": None, "timeout": None},
+                     "lnfuse": "lnfuse 0.1.0", "model": _hostile_text(rng, "model.onnx"), "options": {},
+                     "output": str(output), "reason": _hostile_text(rng, "reason"), "refused": 0, "seconds": 0.1,
+                     "sha256": hashlib.sha256(model.read_bytes()).hexdigest(),
+                     "stat": [["", st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]], "status": "fused"})
+    import json
+    (folder / "lnfuse-ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def make_write_case(seeds, case: int, root: Path, series: int = SERIES) -> Case:
+    """Write a write-side case's input under root/model; return its command and what the run may do."""
+    rng = random.Random(f"write {series} {case}")
+    rng.random()  # the draw that made it a write-side case
+    name, seed = seeds[rng.randrange(len(seeds))]
+    model = onnx.ModelProto()
+    model.CopyFrom(seed)
+    folder, notes = root / "model", []
+    kinds = rng.sample(("names", "locations", "domains", "folders"), rng.choice([1, 1, 2]))
+    if "domains" in kinds:
+        w_domains(model, rng, notes)
+    if "names" in kinds:
+        w_names(model, rng, notes)
+    files, prefixes, shapes = [], ("",), []
+    if "locations" in kinds:
+        files += rng.sample(_USER_NAMES, rng.choice([1, 2, 3]))
+    if "folders" in kinds:
+        shapes = rng.sample(("links", "staging", "ledger", "nested"), rng.choice([1, 2]))
+        if "links" in shapes:
+            for link in ("a0", "a1"):
+                (folder / link).symlink_to(".", target_is_directory=True)
+            prefixes = ("", "a0/", "a1/", "a0/a1/", "a1/a0/a0/")
+        if "staging" in shapes:
+            staging = f".{rng.randbytes(6).hex()}.lnfuse-tmp"
+            (folder / staging).mkdir()
+            (folder / staging / ".lnfuse-owner").write_text("lnfuse staging folder\n")
+            files.append(f"{staging}/w.data")
+        if "nested" in shapes:
+            files += ["sub/deeper/deepest/w.data", "sub/deeper/w.data"]
+        files = files or ["w.data"]
+        notes.append("folder " + "+".join(shapes))
+    if files:
+        used = _externalize(model, folder, rng, files, prefixes)
+        notes.append(f"locations {used[:6]}")
+    (folder / "model.onnx").write_bytes(model.SerializeToString())
+    if "ledger" in shapes:
+        _ship_ledger(folder, root, rng)
+    return _write_command(root, rng, f"case {case}: {name} write: {'; '.join(notes)}", "domains" in kinds,
+                          "ledger" in shapes, "staging" in shapes)
+
+
+def _write_command(root: Path, rng: random.Random, what: str, numeric: bool, ledger: bool, staging: bool) -> Case:
+    """The command a write-side case runs: a fuse (into the output folder or the model's own), explain, check, or a
+    many-model run with the shipped ledger as its ledger."""
+    model, folder = root / "model" / "model.onnx", root / "model"
+    out_dir = folder if rng.random() < (0.6 if staging else 0.2) else root / "out"
+    out = out_dir / _OUT_NAME
+    printing = rng.choice([["-q"], ["--json"], ["-v"], []])
+    verify = ["--no-verify"] if rng.random() < 0.6 else []
+    pick = rng.random()
+    if ledger and pick < 0.15:  # rare: a many-model run starts its workers' server (about 3 s)
+        ledger_path = folder / "lnfuse-ledger.jsonl"
+        argv = [str(folder), "-o", str(root / "out"), "--jobs", "1", "--ledger", str(ledger_path),
+                *rng.choice([["-q"], []])]
+        mirrored = root / "out" / "model.onnx"
+        writes = {mirrored, Path(f"{mirrored}.data"), ledger_path}
+        # a many-model run reports each model on its own: one refused (a data file named like a model) makes it
+        # exit 2 with the others written
+        return Case(what + " [many]", argv, True, writes, [mirrored], root / "out", exits=(0, 1, 2), always=writes,
+                    one_line=False)
+    if pick < 0.6:
+        argv = [str(model), "-o", str(out), *printing]
+        argv += verify
+        argv += ["--external-data", "single"] if rng.random() < 0.25 else []
+        writes = {out, Path(f"{out}.data")}
+        if rng.random() < 0.3:
+            report = out_dir / rng.choice(["x.onnx.json", "report.json"])
+            argv += ["--report", str(report)]
+            writes.add(report)
+        return Case(what + " [fuse]", argv, True, writes, [out], out_dir if out_dir != folder else None,
+                    numeric=numeric, stale_data=out_dir != folder and rng.random() < 0.25)
+    if pick < 0.78:
+        argv = ["explain", str(model), *rng.choice([["-v"], ["--json"], []]), *verify]
+        writes = set()
+        if rng.random() < 0.2:
+            annotated = root / "out" / "annotated.onnx"
+            argv += ["--annotate", str(annotated)]
+            writes |= {annotated, Path(f"{annotated}.data")}
+        return Case(what + " [explain]", argv, True, writes, [], root / "out")
+    argv = ["check", str(model), *rng.choice([["-v"], ["--json"], []]), *verify]
+    return Case(what + " [check]", argv, True, set(), [], root / "out", exits=(0, 1, 2))
+
+
+def _is_write_case(series: int, case: int) -> bool:
+    return random.Random(f"write {series} {case}").random() < _WRITE_SIDE
+
+
+def draw_case(seeds, case: int, root: Path, series: int = SERIES, structured: bool | None = None) -> Case:
+    """Case ``case`` of a series: a write-side case, or (``structured`` given, or not drawn as one) the byte, field,
+    external or structure-aware mutant ``make_case`` draws, fused into root/out."""
+    if structured is None and _is_write_case(series, case):
+        return make_write_case(seeds, case, root, series)
+    what, options, isolate = make_case(seeds, case, root, series, structured)
+    out = root / "out" / _OUT_NAME
+    writes = {out, Path(f"{out}.data")}
+    if "--report" in options:
+        writes.add(Path(options[options.index("--report") + 1]))
+    return Case(what, [str(root / "model" / "model.onnx"), "-o", str(out), *options], isolate, writes, [out],
+                root / "out")
+
+
 # ---------------------------------------------------------------------------------------------------- one case
 
 #: share of the cases that are structure-aware (drawn from their own random stream, so that the other cases of a
@@ -980,15 +1328,55 @@ def _seed_canaries(root: Path, tag: str) -> dict[str, bytes]:
                              for d in ("model", "out", "empty")) or target in (os.fsencode(cwd), os.fsencode(root)):
             continue
         token = b"CNY" + hashlib.sha256(f"{tag} {k}".encode()).hexdigest()[:5].encode()
-        try:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            if os.path.lexists(target) and not os.path.isfile(target):
-                continue
-            with open(target, "wb") as f:
-                f.write(token * (min(max(need, 4096), 32 << 20) // 8 + 1))
-        except OSError:  # a name that cannot be a file here (a parent is a file, too long)
+        if _write_canary(target, need, token):
+            canaries[os.fsdecode(os.path.relpath(target, os.fsencode(root)))] = token
+    return canaries
+
+
+def _write_canary(target: bytes, need: int, token: bytes) -> bool:
+    """Write ``token`` repeated (at least ``need`` bytes) at ``target``; False if no file can be there."""
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.lexists(target) and not os.path.isfile(target):
+            return False
+        with open(target, "wb") as f:
+            f.write(token * (min(max(need, 4096), 32 << 20) // 8 + 1))
+    except OSError:  # a name that cannot be a file here (a parent is a file, too long)
+        return False
+    return True
+
+
+def _seed_user_files(root: Path, spec: Case, tag: str) -> dict[str, bytes]:
+    """Fill the folder the user writes into with the user's own files: .git/config, .bashrc, notes.txt, and a file
+    named like every location the model names and every file of its folder, each holding its own canary; return
+    them like ``_seed_canaries``. A name the run writes (the output, ``<output>.data``, the report, the ledger) is
+    lnfuse's, not the user's: some cases put a stale ``<output>.data`` there, which the run may replace but whose
+    canary must reach nothing else it writes. No user files when the output goes into the model's own folder."""
+    if spec.out_dir is None:
+        return {}
+    folder, base = root / "model", os.fsencode(spec.out_dir)
+    wanted = {name.encode(): 0 for name in _USER_FILES}
+    for dirpath, _dirs, files in os.walk(os.fsencode(folder)):
+        for file in files:
+            relative = os.path.relpath(os.path.join(dirpath, file), os.fsencode(folder))
+            if relative != b"model.onnx":
+                wanted[relative] = max(wanted.get(relative, 0), os.lstat(os.path.join(dirpath, file)).st_size)
+    for location, need in _mentioned_locations(folder / "model.onnx").items():
+        wanted[location] = max(wanted.get(location, 0), need)
+    own = {os.fsencode(path) for path in spec.writes | spec.always}
+    canaries = {}
+    for k, (name, need) in enumerate(sorted(wanted.items())):
+        if not name.strip() or b"\0" in name or name.endswith(b"/") or os.path.isabs(name):
             continue
-        canaries[os.fsdecode(os.path.relpath(target, os.fsencode(root)))] = token
+        target = os.path.normpath(os.path.join(base, name))
+        if target == base or target in own or os.path.commonpath([target, base]) != base:
+            continue
+        token = b"USR" + hashlib.sha256(f"{tag} user {k}".encode()).hexdigest()[:5].encode()
+        if _write_canary(target, need, token):
+            canaries[os.fsdecode(os.path.relpath(target, os.fsencode(root)))] = token
+    stale = os.fsencode(spec.out_dir / f"{_OUT_NAME}.data")
+    if spec.stale_data and _write_canary(stale, 4096, b"STL" + hashlib.sha256(tag.encode()).hexdigest()[:5].encode()):
+        canaries[os.fsdecode(os.path.relpath(stale, os.fsencode(root)))] = Path(os.fsdecode(stale)).read_bytes()[:8]
     return canaries
 
 
@@ -1016,9 +1404,9 @@ def _ints_in_model(path: Path) -> set[int]:
     return found
 
 
-def _canary_leaks(root: Path, canaries: dict[str, bytes], texts: dict[str, str]) -> list[str]:
-    """Where a canary's bytes (any 8 of them in a row), or 8 of them read as an int64, appear in the output folder's
-    files (models, data, report), in a written model's dims, or on stdout/stderr."""
+def _canary_leaks(root: Path, canaries: dict[str, bytes], texts: dict[str, str], files: list[Path]) -> list[str]:
+    """Where a canary's bytes (any 8 of them in a row), or 8 of them read as an int64, appear in the files the run
+    wrote (models, data, report), in a written model's dims, or on stdout/stderr."""
     patterns, numbers = {}, {}
     for name, token in canaries.items():
         for r in range(8):
@@ -1027,7 +1415,7 @@ def _canary_leaks(root: Path, canaries: dict[str, bytes], texts: dict[str, str])
             numbers[int.from_bytes(rotated, "little", signed=True)] = name
     blobs = {where: text.encode("utf-8", "surrogateescape") for where, text in texts.items()}
     ints: set[int] = set()
-    for path in sorted((root / "out").rglob("*")):
+    for path in sorted(files):
         if path.is_file() and not path.is_symlink():
             blobs[str(path.relative_to(root))] = path.read_bytes()
             if path.suffix == ".onnx":
@@ -1177,22 +1565,22 @@ def run_case_measured(seeds, case: int, root: Path, subprocess_run: bool = False
                       structured: bool | None = None) -> tuple[str, int, list[str], float]:
     for name in ("model", "out", "cwd", "empty"):
         (root / name).mkdir()
-    what, options, isolate = make_case(seeds, case, root, series, structured)
+    spec = draw_case(seeds, case, root, series, structured)
     canaries = _seed_canaries(root, f"{series} {case}")
-    model, out = root / "model" / "model.onnx", root / "out" / "fused.onnx"
-    before = _snapshot(root, root / "out")
-    argv = [str(model), "-o", str(out), *options]
+    canaries.update(_seed_user_files(root, spec, f"{series} {case}"))
+    model = root / "model" / "model.onnx"
+    before = _snapshot(root, None)
     broken, peak, code, stdout, err = [], 0.0, -1, "", ""
     if subprocess_run:
         try:
-            proc = subprocess.run([sys.executable, "-m", "lnfuse.cli", *argv], capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, "-m", "lnfuse.cli", *spec.argv], capture_output=True, text=True,
                                   check=False, errors="surrogateescape", timeout=_TIMEOUT, cwd=root / "cwd",
                                   preexec_fn=_limit_child)
             code, stdout, err = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired:
             broken.append(f"no exit within {_TIMEOUT:.0f} s (blocked)")
     else:
-        status, value, peak = _call(lambda: _main_in(argv, root / "cwd"), isolate)
+        status, value, peak = _call(lambda: _main_in(spec.argv, root / "cwd"), spec.isolate)
         if status == "ok":
             code, stdout, err = value
         elif status == "timeout":
@@ -1200,7 +1588,7 @@ def run_case_measured(seeds, case: int, root: Path, subprocess_run: bool = False
         else:
             broken.append(f"the run died: {status} {value or ''}".strip())
     if not broken:
-        if code not in (0, 2):
+        if code not in spec.exits:
             broken.append(f"exit {code}")
         if "Traceback" in err:
             broken.append("traceback")
@@ -1208,21 +1596,141 @@ def run_case_measured(seeds, case: int, root: Path, subprocess_run: bool = False
             broken.append(f"over the {_MEMORY_LIMIT >> 30} GiB memory budget (a failed allocation, not a refusal)")
         if peak > _PEAK_LIMIT >> 20:
             broken.append(f"peak RSS {peak:.0f} MB, over {_PEAK_LIMIT >> 20} MB (an allocation from a declared size)")
-    if code != 0:
-        if not broken and (not err.startswith("lnfuse: error:") or len(err.strip().splitlines()) != 1):
-            broken.append(f"stderr is not one error line: {err[:300]!r}")
-        if list((root / "out").iterdir()):
-            broken.append(f"output left after a failure: {[p.name for p in (root / 'out').iterdir()]}")
-    elif _ort_loads_input(model, root / "empty", isolate):
-        loads = _ort_loads(out, root / "empty", isolate)
-        if not loads:
-            broken.append("ORT loaded the input but not the output" + (" (it blocked)" if loads is None else ""))
-    broken += _canary_leaks(root, canaries, {"stdout": stdout, "stderr": err})
-    if _snapshot(root, root / "out") != before:
-        broken.append("something outside the output folder was created or changed")
+    broken += _printed_text_problems({"stdout": stdout, "stderr": err})
+    failed = code not in (0, 1)
+    if failed and spec.one_line and not broken and (not err.startswith("lnfuse: error:")
+                                                    or len(err.strip().splitlines()) != 1):
+        broken.append(f"stderr is not one error line: {err[:300]!r}")
+    after = _snapshot(root, None)
+    written = _written(before, after, spec, failed)
+    broken += written[1]
+    if code == 0:
+        # a many-model run that refused the model says so in its table, exit 0
+        outputs = [out for out in spec.outputs if out.exists() or spec.one_line]
+        broken += _ort_contract(model, outputs, root / "empty", spec.numeric, spec.isolate)
+    broken += _canary_leaks(root, canaries, {"stdout": stdout, "stderr": err}, written[0])
     if broken:
         broken.append(f"stderr: {err.strip()[:300]!r}")
-    return what, code, broken, peak
+    return spec.what, code, broken, peak
+
+
+def _written(before: dict[str, str], after: dict[str, str], spec: Case, failed: bool) -> tuple[list[Path], list[str]]:
+    """The files the run created or changed, and what it broke doing so: every file that was there (the input, the
+    user's files in the output folder, the working directory's) must be byte-identical afterwards, but for the
+    run's own names; a success may create the output, ``<output>.data`` and the report (and a many-model run its
+    mirrored output and ledger), a failure nothing."""
+    allowed = {str(p) for p in spec.always} | (set() if failed else {str(p) for p in spec.writes})
+    created = sorted(set(after) - set(before))
+    changed = sorted(k for k in before if after.get(k) != before[k])
+    broken = []
+    stray = [k for k in created if k not in allowed]
+    if stray:
+        where = "after a failure" if failed else "beside the output"
+        broken.append(f"files created {where}: {stray[:5]}")
+    touched = [k for k in changed if k not in allowed]
+    if touched:
+        broken.append(f"files changed or removed (the user's, the input's or the working directory's): {touched[:5]}")
+    return [Path(k) for k in created + changed if k in after], broken
+
+
+def _printed_problems_in(where: str, text: str) -> list[str]:
+    found = []
+    bad = _UNSAFE_TEXT.search(text)
+    if bad:
+        found.append(f"unescaped {bad.group()!r} on {where}: {text[max(bad.start() - 40, 0):bad.start() + 20]!r}")
+    forged = next((line for line in text.split("\n") if line.startswith(_FORGED)), None)
+    if forged is not None:
+        found.append(f"a forged verdict line on {where}: {forged[:80]!r}")
+    return found
+
+
+def _printed_text_problems(texts: dict[str, str]) -> list[str]:
+    """What lnfuse printed may hold no control byte but newline and tab, no bidi control, no line separator, and no
+    line a model string forged (a model's text is printed escaped, inside lnfuse's own line)."""
+    return [problem for where, text in texts.items() for problem in _printed_problems_in(where, text)]
+
+
+#: numpy types of ONNX Runtime's input type names, for random inputs
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+              "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
+              "tensor(uint8)": np.uint8, "tensor(int8)": np.int8}
+
+
+def _ort_contract(model: Path, outputs: list[Path], cwd: Path, numeric: bool, isolate: bool) -> list[str]:
+    """Whenever ONNX Runtime loads the input, it loads every output; with ``numeric``, it computes the same on the
+    output as on the input, on random inputs (unknown dims 2, integers 0 and 1). One forked child for all of it;
+    when that child dies or blocks, each model is loaded on its own to tell which did it."""
+    special = any(stat.S_ISFIFO(os.lstat(os.path.join(d, f)).st_mode) for d, _, fs in os.walk(model.parent)
+                  for f in fs)
+    if special or not outputs:
+        return []  # ORT blocks on a FIFO as a data file itself: such an input counts as one it does not load
+
+    def job():
+        here = os.getcwd()
+        os.chdir(cwd)
+        try:
+            try:
+                a = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+            except Exception:  # noqa: BLE001 - any refusal counts as "does not load"
+                return []
+            found = []
+            for out in outputs:
+                try:
+                    b = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+                except Exception:  # noqa: BLE001
+                    found.append("ORT loaded the input but not the output")
+                    continue
+                found += _ort_differs(a, b) if numeric else []
+            return found
+        finally:
+            os.chdir(here)
+    status, value, _ = _call(job, isolate)
+    if status == "ok":
+        return value
+    if not _ort_loads_input(model, cwd, isolate):
+        return []
+    found = []
+    for out in outputs:
+        loads = _ort_loads(out, cwd, isolate)
+        if not loads:
+            found.append("ORT loaded the input but not the output" + (" (it blocked)" if loads is None else ""))
+        elif numeric:
+            found.append(f"comparing the outputs in ORT: {status} {value or ''}".strip())
+    return found
+
+
+def _ort_differs(a: ort.InferenceSession, b: ort.InferenceSession) -> list[str]:
+    """What the output's session ``b`` computes differently from the input's ``a``; nothing when ``a`` cannot run
+    on random inputs."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in a.get_inputs():
+        dtype = _ORT_TYPES.get(i.type)
+        if dtype is None:
+            return []
+        shape = [d if isinstance(d, int) and d >= 0 else 2 for d in i.shape]
+        feeds[i.name] = (rng.standard_normal(shape) if np.issubdtype(dtype, np.floating)
+                         else rng.integers(0, 2, shape)).astype(dtype)
+    try:
+        expected = dict(zip([o.name for o in a.get_outputs()], a.run(None, feeds)))
+    except Exception:  # noqa: BLE001 - an input ORT cannot run on these inputs: nothing to compare
+        return []
+    try:
+        got = dict(zip([o.name for o in b.get_outputs()], b.run(None, feeds)))
+    except Exception as error:  # noqa: BLE001
+        return [f"ORT runs the input but not the output: {str(error)[:200]}"]
+    found = []
+    for name, x in expected.items():
+        y = got.get(name)
+        tol = 5e-2 if x.dtype == np.float16 else 1e-2
+        same_shape = y is not None and x.shape == y.shape
+        if same_shape and np.allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=tol, atol=tol,
+                                      equal_nan=True):
+            continue
+        worst = float(np.nanmax(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) if same_shape else None
+        found.append(f"the output computes something else than the input: {name!r} (shapes {x.shape} "
+                     f"{None if y is None else y.shape}, worst difference {worst})")
+    return found
 
 
 def _fingerprint(path: Path) -> str:
@@ -1234,7 +1742,7 @@ def _fingerprint(path: Path) -> str:
     return f"{hashlib.sha256(path.read_bytes()).hexdigest()} {st.st_mode:o}"
 
 
-def _snapshot(root: Path, skip: Path) -> dict[str, str]:
+def _snapshot(root: Path, skip: Path | None) -> dict[str, str]:
     found = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if Path(dirpath) / d != skip]
@@ -1287,6 +1795,14 @@ def seeds():
     return found
 
 
+#: cases of CI's series (0) that break the contract on the branch that added the write-side cases, until the fixes
+#: of issue 27 are merged (each with its class; docs/security.md, "The write side"). Once merged, run
+#: ``LNFUSE_FUZZ_STRICT=1 pytest tests/test_fuzz.py`` and empty this.
+PENDING: dict[int, str] = {
+    21: "staging", 43: "staging", 229: "staging", 254: "staging", 291: "staging",
+    30: "printing", 47: "printing", 60: "printing", 184: "printing", 219: "printing", 282: "printing"}
+
+
 def test_fuzz_campaign(seeds, tmp_path_factory):
     """The contract holds on every mutant (set LNFUSE_FUZZ for more cases, LNFUSE_FUZZ_CASE for one)."""
     only = os.environ.get("LNFUSE_FUZZ_CASE")
@@ -1299,7 +1815,16 @@ def test_fuzz_campaign(seeds, tmp_path_factory):
     if os.environ.get("LNFUSE_FUZZ_LOG"):
         Path(os.environ["LNFUSE_FUZZ_LOG"]).write_text("\n".join(failures) + "\n")
     assert _snapshot(base.parent, base) == outside, "a case wrote beside the sandbox"
+    pending = {} if os.environ.get("LNFUSE_FUZZ_STRICT") or SERIES != 0 else PENDING
+    waiting = [f for f in failures if _case_number(f) in pending]
+    if waiting:
+        print(f"fuzz: {len(waiting)} failing case(s) wait for issue 27's fixes: {[_case_number(f) for f in waiting]}")
+    failures = [f for f in failures if _case_number(f) not in pending]
     assert not failures, "\n".join(failures[:20])
+
+
+def _case_number(failure: str) -> int:
+    return int(re.match(r"case (\d+):", failure).group(1))
 
 
 def test_fuzz_cases_through_the_process(seeds, tmp_path: Path):
@@ -1317,14 +1842,14 @@ def test_fuzz_cases_through_the_process(seeds, tmp_path: Path):
 #: outside the input's rank reached the channels-first check (exit 3); a declared 0 or 2**62 dim typed into the
 #: fused outputs made ONNX Runtime refuse the written model; a STRING tensor's length check (exit 3). They are the
 #: byte and field mutants those series drew before the structure-aware cases existed.
-#: (series, case, structure-aware; None: as the campaign draws it). 7/1934: a model-local function named
+#: (series, case, structure-aware: pinned to what the campaign drew before the write-side cases). 7/1934: a model-local function named
 #: LayerNormalization, which ORT's symbolic inference took for ONNX's op (its output typed like its first input: ORT
 #: refused the output); 0/132: a Pad of 2^31 inside a function, which onnx's data propagation expanded (24 GB);
 #: 8/210: a Tile of 2^28 in a function's body, expanded the same way when the body was typed (3.7 GB); 8/18781: a
 #: Tile by 2^40 of an empty tensor, which numpy's tile grows axis by axis (a 4 TiB intermediate, exit 3); 9/608:
 #: constant position ids of no element, which the embedding rule reshaped to test for 0..S-1 (exit 3)
 FOUND = ((2, 3808, False), (2, 2876, False), (3, 14181, False), (3, 12068, False), (4, 19930, False),
-         (7, 1934, None), (0, 132, None), (8, 210, None), (8, 18781, None), (9, 608, None))
+         (7, 1934, True), (0, 132, True), (8, 210, True), (8, 18781, True), (9, 608, False))
 
 
 @pytest.mark.parametrize("series, case, structured", FOUND)
