@@ -283,6 +283,6 @@ def test_the_fixture_seeds_what_the_model_names(box: Sandbox, restore_cwd):
     with working_directory(box.cwd):
         result = lnfuse.fuse(proto, verify=False)
         result.save(box.out / "o.onnx")
-    found = leaks({"o.onnx": (box.out / "o.onnx").read_bytes(), "w.data": (box.out / "weights/w.data").read_bytes()},
+    found = leaks({"o.onnx": (box.out / "o.onnx").read_bytes(), "w.data": (box.out / "o.onnx.data").read_bytes()},
                   {}, box.canaries)
     assert found, "the detector sees the canary that the API read from the working directory"

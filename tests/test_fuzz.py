@@ -1743,9 +1743,12 @@ def _fingerprint(path: Path) -> str:
 
 
 def _snapshot(root: Path, skip: Path | None) -> dict[str, str]:
+    """Every entry under ``root`` but ``skip`` and the test's own home (where lnfuse keeps its key and ONNX Runtime
+    its cache)."""
     found = {}
+    skipped = {skip, Path(os.environ["HOME"])}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if Path(dirpath) / d != skip]
+        dirnames[:] = [d for d in dirnames if Path(dirpath) / d not in skipped]
         for entry in dirnames + filenames:
             path = Path(dirpath) / entry
             if path.is_symlink():
@@ -1795,14 +1798,6 @@ def seeds():
     return found
 
 
-#: cases of CI's series (0) that break the contract on the branch that added the write-side cases, until the fixes
-#: of issue 27 are merged (each with its class; docs/security.md, "The write side"). Once merged, run
-#: ``LNFUSE_FUZZ_STRICT=1 pytest tests/test_fuzz.py`` and empty this.
-PENDING: dict[int, str] = {
-    21: "staging", 43: "staging", 229: "staging", 254: "staging", 291: "staging",
-    30: "printing", 47: "printing", 60: "printing", 184: "printing", 219: "printing", 282: "printing"}
-
-
 def test_fuzz_campaign(seeds, tmp_path_factory):
     """The contract holds on every mutant (set LNFUSE_FUZZ for more cases, LNFUSE_FUZZ_CASE for one)."""
     only = os.environ.get("LNFUSE_FUZZ_CASE")
@@ -1815,16 +1810,7 @@ def test_fuzz_campaign(seeds, tmp_path_factory):
     if os.environ.get("LNFUSE_FUZZ_LOG"):
         Path(os.environ["LNFUSE_FUZZ_LOG"]).write_text("\n".join(failures) + "\n")
     assert _snapshot(base.parent, base) == outside, "a case wrote beside the sandbox"
-    pending = {} if os.environ.get("LNFUSE_FUZZ_STRICT") or SERIES != 0 else PENDING
-    waiting = [f for f in failures if _case_number(f) in pending]
-    if waiting:
-        print(f"fuzz: {len(waiting)} failing case(s) wait for issue 27's fixes: {[_case_number(f) for f in waiting]}")
-    failures = [f for f in failures if _case_number(f) not in pending]
     assert not failures, "\n".join(failures[:20])
-
-
-def _case_number(failure: str) -> int:
-    return int(re.match(r"case (\d+):", failure).group(1))
 
 
 def test_fuzz_cases_through_the_process(seeds, tmp_path: Path):
