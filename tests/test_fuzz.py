@@ -24,6 +24,7 @@ or a many-model run. Every case also has the user's files in the output folder, 
 what lnfuse prints may hold no control byte and no forged verdict line.
 
 CI runs ``LNFUSE_FUZZ`` cases (default 300); ``LNFUSE_FUZZ=20000 pytest tests/test_fuzz.py`` is a long campaign
+(``LNFUSE_FUZZ_FROM=10000`` starts at that case: two processes share one series)
 (``LNFUSE_FUZZ_SEED`` picks another series). A failing case prints the case number that reproduces it:
 ``LNFUSE_FUZZ_CASE=<n> pytest tests/test_fuzz.py -k campaign``.
 """
@@ -1801,7 +1802,8 @@ def seeds():
 def test_fuzz_campaign(seeds, tmp_path_factory):
     """The contract holds on every mutant (set LNFUSE_FUZZ for more cases, LNFUSE_FUZZ_CASE for one)."""
     only = os.environ.get("LNFUSE_FUZZ_CASE")
-    cases = [int(only)] if only else range(CASES)
+    first = int(os.environ.get("LNFUSE_FUZZ_FROM", "0"))  # a share of a long series, for one process a core
+    cases = [int(only)] if only else range(first, CASES)
     base = tmp_path_factory.mktemp("fuzz")
     outside = _snapshot(base.parent, base)
     exits, failures, seconds, (peak, peak_case) = campaign(seeds, cases, base)
