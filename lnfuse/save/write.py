@@ -67,9 +67,9 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
     # weights that go to ``<output>.data``: asked for, or too many to stay inline
     spill = external_data == "single" or _inline_bytes(weights) > _INLINE_LIMIT
     moved = weights.to_data_file(spill, os.path.realpath(folder))
-    data = folder / (target.name + ".data")
-    written = [target] + ([data] if moved else []) + ([report_path] if report_path is not None else [])
-    reads = _check_overwrites(model, weights, written, input_path, in_place, source)
+    data = folder / (target.name + ".data") if moved else None
+    written = [p for p in (target, data, report_path) if p is not None]
+    reads = _check_overwrites(model, weights, written, data, input_path, in_place, source)
     try:
         with Staging(reads) as staging:
             tmp = staging.area(folder)
@@ -153,10 +153,10 @@ class _Weights:
         return moved
 
 
-def _check_overwrites(model: ir.Model, weights: _Weights, writes: list[Path], input_path: Path | None,
-                      in_place: bool, source: SourceWeights | None) -> set[tuple[int, int]]:
-    """Before anything is written: no path the run writes is a file it reads (see ``trust.check_no_overwrite``).
-    Returns the (device, inode) of the files it reads."""
+def _check_overwrites(model: ir.Model, weights: _Weights, writes: list[Path], data: Path | None,
+                      input_path: Path | None, in_place: bool, source: SourceWeights | None) -> set[tuple[int, int]]:
+    """Before anything is written: no path the run writes (``writes``: the model first, ``data`` its data file) is
+    a file it reads (see ``trust.check_no_overwrite``). Returns the (device, inode) of the files it reads."""
     read_paths = [input_path] if input_path is not None else []
     read_paths += [source.file.path] if source is not None else []
     read_paths += model.meta.get(INPUT_FILES, [])
@@ -167,8 +167,9 @@ def _check_overwrites(model: ir.Model, weights: _Weights, writes: list[Path], in
     target = writes[0]
     allowed = set()
     if in_place and input_path is not None and trust.identity(target) == trust.identity(input_path):
-        # the input model is replaced as asked, and so may be the data file its replacement writes
-        allowed = {trust.identity(p) for p in writes} - {None}
+        # the input model is replaced as asked, and so may be the data file its replacement writes; nothing else
+        # (a report named like the input's data file would destroy the weights the new model reads)
+        allowed = {trust.identity(p) for p in (target, data) if p is not None} - {None}
     trust.check_no_overwrite(reads, writes, allowed)
     return set(reads)
 

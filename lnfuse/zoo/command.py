@@ -109,15 +109,42 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _no_collision(jobs: list[Job], ledger: Path) -> None:
-    """No file the run writes is written twice: an output or report that is the ledger, or another model's."""
-    written: dict[str, str] = {os.path.realpath(ledger): "the ledger"}
+    """No file the run writes is written twice, or is a file another model reads: an output, ``<output>.data`` or
+    report that is the ledger, another model's write, another input model, or (when writes land in the inputs'
+    folders: ``--in-place``, a report folder among the inputs) a data file another model reads. A model's writes
+    over its own files are ``save``'s to judge (``--in-place`` replaces the model and its ``single`` data file)."""
+    written: dict[str, tuple[str, str]] = {os.path.realpath(ledger): ("the ledger", "")}
     for job in jobs:
-        for path in filter(None, (job.output, job.report)):
+        for path in _writes(job):
             key = os.path.realpath(path)
             if key in written:
-                raise UsageError(f"{job.source}: its output {path} would be {written[key]} too; rename the model, or "
-                                 "give another -o, --report or --ledger")
-            written[key] = f"the output of {job.source}"
+                raise UsageError(f"{job.source}: its output {path} would be {written[key][0]} too; rename the model, "
+                                 "or give another -o, --report or --ledger")
+            written[key] = (f"the output of {job.source}", job.source)
+    read = {os.path.realpath(job.source): job.source for job in jobs}
+    folders = {os.path.dirname(key) for key in read}
+    if any(os.path.dirname(key) in folders for key in written):
+        from lnfuse.zoo.job import listed_files  # parses each model: only when writes land among the inputs
+
+        for job in jobs:
+            folder = os.path.dirname(os.path.realpath(job.source))
+            for name in listed_files(Path(job.source)) or []:
+                read.setdefault(os.path.realpath(os.path.join(folder, name)), job.source)
+    for key, (what, writer) in written.items():
+        reader = read.get(key)
+        if reader is not None and reader != writer:
+            raise UsageError(f"{key}: {what} would replace a file {reader} reads; rename one of them, or give "
+                             "another -o, --report or --ledger")
+
+
+def _writes(job: Job) -> list[str]:
+    """The files a model's run may write: its output, ``<output>.data`` (unless its weights stay referenced where
+    they are: ``keep`` in the model's own folder) and its report."""
+    data = None
+    if job.external_data != "keep" or os.path.realpath(os.path.dirname(job.output)) != \
+            os.path.realpath(os.path.dirname(job.source)):
+        data = job.output + ".data"
+    return [p for p in (job.output, data, job.report) if p is not None]
 
 
 def _cores() -> int:

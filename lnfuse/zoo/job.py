@@ -167,7 +167,7 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
     _writes_confined(job)
     for path in (job.output, job.report):
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _make_folder(Path(path).parent)
     written = result.save(job.output, in_place=job.in_place, external_data=job.external_data, report=job.report)
     done |= {"output": job.output, "output_identity": output_identity(Path(job.output)),
              "bytes_out": sum(path.stat().st_size for path in written if job.report is None or path != Path(job.report))}
@@ -177,6 +177,15 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
                        "reason": one_line(f"{len(report.unfused)} left, first {first.anchor} [{first.rule}/"
                                           f"{first.check}] {first.reason}")[:300]}
     return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}
+
+
+def _make_folder(folder: Path) -> None:
+    """The folder a mirrored output goes into; ``OutputError`` when a file (or a dangling link) is in its place."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OutputError(f"{folder}: cannot make this folder for the output ({error.strerror}); remove or rename "
+                          "what is in its place") from None
 
 
 def _writes_confined(job: Job) -> None:

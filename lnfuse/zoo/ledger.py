@@ -10,10 +10,12 @@ model runs again), and counted (``unsigned``) for one warning."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import stat
 from pathlib import Path
+from typing import Iterator
 
 from lnfuse import userkey
 from lnfuse.errors import UsageError
@@ -63,25 +65,29 @@ class Ledger:
         self._file = None
 
     def _read(self) -> dict[str, dict]:
-        """The last row of each input. A line cut short by a kill mid-write (the last one) is ignored."""
+        """The last row of each input. A line cut short by a kill mid-write (the last one) is ignored. Read a line at
+        a time, each at most ``_MAX_LINE`` bytes: a ledger may come with a download, and only rows signed with this
+        user's key are kept, so memory never grows with what someone else wrote."""
         rows: dict[str, dict] = {}
         try:
             with self._open(os.O_RDONLY) as stream:
-                text = stream.read().decode()
+                size = os.fstat(stream.fileno()).st_size
+                if size > _MAX_LEDGER:
+                    raise UsageError(f"--ledger {self.path}: {size} bytes, more than a ledger of a million models "
+                                     f"({_MAX_LEDGER >> 30} GiB); it is not lnfuse's: give another file or remove it")
+                for line in _lines(io.BufferedReader(stream, 1 << 16)):
+                    row = _parsed(line)
+                    if row is None:
+                        continue
+                    if not self._signed(row):
+                        self.unsigned += 1
+                    elif _valid(row):
+                        rows[row["input"]] = row
         except FileNotFoundError:
             return rows
-        except (OSError, UnicodeDecodeError) as error:
+        except OSError as error:
             raise UsageError(f"--ledger {self.path}: cannot read it ({error}); give another file or remove it")\
                 from None
-        for line in text.splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not self._signed(row):
-                self.unsigned += 1
-            elif _valid(row):
-                rows[row["input"]] = row
         return rows
 
     def _signed(self, row) -> bool:
@@ -148,3 +154,33 @@ class Ledger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+#: a row is under a few KB (its reason is cut at 300 characters); a longer line is not one lnfuse wrote
+_MAX_LINE = 1 << 20
+#: over a million models' rows
+_MAX_LEDGER = 4 << 30
+
+
+def _lines(stream) -> Iterator[bytes | None]:
+    """The ledger's lines, each at most ``_MAX_LINE`` bytes; None for a longer one (its bytes are skipped)."""
+    while True:
+        line = stream.readline(_MAX_LINE + 1)
+        if not line:
+            return
+        if len(line) <= _MAX_LINE or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = stream.readline(_MAX_LINE)
+        yield None
+
+
+def _parsed(line: bytes | None) -> dict | None:
+    if line is None:
+        return None
+    try:
+        row = json.loads(line.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None
+    return row if isinstance(row, dict) else {}

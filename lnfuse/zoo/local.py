@@ -61,17 +61,15 @@ def serve(conn: Connection, max_memory: int | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (worker_context); a worker must not
-    with interrupts.as_keyboard_interrupt((signal.SIGTERM,)), contextlib.suppress(KeyboardInterrupt):
-        _serve(conn, max_memory)
-
-
-def _serve(conn: Connection, max_memory: int | None) -> None:
     _die_with_parent()
     cap_memory(max_memory)
     # what the server imported is there for the worker's life: the cycle collector need not walk it at every full
     # collection (nor touch its pages, which stay shared with the server)
     gc.freeze()
-    with terminal.library_messages():  # a library's warning or log record may quote a model's names
+    # the suppression outermost: a SIGTERM that lands while the handler is being put back is still suppressed,
+    # and one after that ends the process by default, with no traceback
+    with contextlib.suppress(KeyboardInterrupt), interrupts.as_keyboard_interrupt((signal.SIGTERM,)), \
+            terminal.library_messages():  # a library's warning or log record may quote a model's names
         _serve(conn, max_memory)
 
 
