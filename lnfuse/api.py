@@ -61,7 +61,11 @@ class FuseResult:
                           report=(report, self.report.to_json()) if report is not None else None)
 
 
-def select_rules(only: Iterable[str] | None = None, skip: Iterable[str] | None = None) -> tuple[Rule, ...]:
+def select_rules(only: Iterable[str] | str | None = None, skip: Iterable[str] | str | None = None
+                 ) -> tuple[Rule, ...]:
+    """The rules to run: ``only`` these, none of ``skip`` (rule names; one name, or names joined by commas, as a
+    string)."""
+    only, skip = _names(only), _names(skip)
     rules = all_rules()
     known = {r.name for r in rules}
     for name in list(only or []) + list(skip or []):
@@ -291,3 +295,10 @@ def _count_ops_by_type(ops: dict[ir.Graph | ir.Function, Counter[tuple[str, str]
         for (_, op_type), count in graph_counts.items():
             counts[op_type] += count
     return dict(counts)
+
+
+def _names(rules: Iterable[str] | str | None) -> list[str] | None:
+    """Rule names given as a list, or as one string (``"layer_norm"``, ``"layer_norm,skip_norm"``)."""
+    if isinstance(rules, str):
+        return [name.strip() for name in rules.split(",") if name.strip()]
+    return None if rules is None else list(rules)

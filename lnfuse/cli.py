@@ -31,7 +31,7 @@ def _rules(text: str | None) -> list[str] | None:
 
 
 def _common(parser: argparse.ArgumentParser, many: bool = False) -> None:
-    parser.add_argument("model", nargs="+" if many else None,
+    parser.add_argument("model", nargs="*" if many else None,
                         help="input .onnx file (never modified)" + ("; or several, folders and globs" if many else ""))
     parser.add_argument("--target", choices=TARGETS, default="ort",
                         help="ort (default): may write ONNX Runtime's fused ops; onnx: standard ONNX ops only")
@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "fuse"
     if command == "fuse" and argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         terminal.say_block(__doc__.strip())  # shown as it is: plain text, no markup
-    args = _parser(command).parse_args(argv)
+    parser = _parser(command)
+    args = parser.parse_args(argv)
+    if command == "fuse" and not args.model and args.from_list is None:
+        parser.error("the following arguments are required: model (or --from-list FILE)")
     from lnfuse import interrupts
     try:
         with interrupts.as_keyboard_interrupt(), terminal.reader_may_leave(), terminal.library_messages():
