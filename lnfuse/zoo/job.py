@@ -173,7 +173,7 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
              "bytes_out": sum(path.stat().st_size for path in written if job.report is None or path != Path(job.report))}
     if report.unfused:
         first = report.unfused[0]
-        return done | {"status": "candidates left", "exit": LEFT,
+        return done | {"status": "candidates left", "exit": OK,  # written, as a run of the model alone: exit 0
                        "reason": one_line(f"{len(report.unfused)} left, first {first.anchor} [{first.rule}/"
                                           f"{first.check}] {first.reason}")[:300]}
     return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}

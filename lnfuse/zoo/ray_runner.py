@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from lnfuse.errors import UsageError
+from lnfuse.errors import UsageError, first_line
 from lnfuse.zoo.job import INTERNAL, Job
 from lnfuse.zoo.local import Slot, worker_context
 
@@ -61,9 +61,13 @@ def run_ray(jobs: list[Job], address: str, cpus: int | None, timeout: float | No
     except ImportError:
         ray = None
     if getattr(ray, "init", None) is None:  # a folder named ray (Ray's own /tmp/ray) on the path is no Ray
-        raise UsageError("--ray needs Ray: pip install 'lnfuse[ray]'")
+        raise UsageError("--ray needs Ray: pip install 'ray>=2.9' (or, from a clone of lnfuse, pip install -e '.[ray]')")
     if address:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        try:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        except Exception as error:  # noqa: BLE001 - Ray says "no cluster" in several exception types
+            raise UsageError(f"--ray {address}: no Ray cluster answers there ({first_line(error)}); start one "
+                             "(ray start --head) or give --ray without an address for a local one") from None
     else:
         ray.init(num_cpus=cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)

@@ -10,14 +10,15 @@ from lnfuse.zoo.limits import size_text
 
 
 def exit_code(rows: list[dict]) -> int:
-    """The worst model's: 0 all fused or nothing to fuse, 1 a candidate left (or a difference found), 2 a bad input
-    (including one over its time or memory limit), 3 an internal error."""
+    """The worst model's, as a run of that model alone ends: 0 written (candidates left included: ``lnfuse check``
+    is the gate for those), 1 a difference found (nothing written), 2 a bad input (including one over its time or
+    memory limit), 3 an internal error."""
     return max((row["exit"] for row in rows), default=OK)
 
 
 def closing_table(rows: list[dict], *, wall: float, resumed: int = 0, verbose: bool = False) -> str:
     """Totals (models by outcome, fused per op, refused candidates, seconds, bytes in and out), then one line per
-    model that did not end with exit 0 (every model with ``verbose``), saying why. Only the ``this run:`` line
+    model that was not fused whole (every model with ``verbose``), saying why. Only the ``this run:`` line
     differs between a run and its resumption. Every name and reason in it is escaped (``lnfuse.terminal``): the
     text's only line breaks are its own."""
     statuses = Counter(row["status"] for row in rows)
@@ -36,7 +37,7 @@ def closing_table(rows: list[dict], *, wall: float, resumed: int = 0, verbose: b
               f"seconds: {sum(r['seconds'] for r in rows):.1f} in the models; bytes in {size_text(bytes_in)}, "
               f"out {size_text(bytes_out)}",
               f"this run: {wall:.1f} s wall" + (f", {resumed} model(s) taken from the ledger" if resumed else "")]
-    shown = [row for row in rows if verbose or row["exit"] != OK]
+    shown = [row for row in rows if verbose or row["exit"] != OK or row["status"] not in _DONE]
     if shown:
         shown.sort(key=lambda r: (-r["exit"], r["model"]))
         width = min(max(len(escape(r["model"])) for r in shown), 60)
@@ -46,5 +47,7 @@ def closing_table(rows: list[dict], *, wall: float, resumed: int = 0, verbose: b
     return block(lines)
 
 
+#: outcomes with nothing to say: every candidate fused, or none found
+_DONE = frozenset({"fused", "nothing to fuse"})
 _ORDER = {"fused": 0, "nothing to fuse": 1, "candidates left": 2, "differs": 3, "bad input": 4, "timeout": 5,
           "over memory": 6, "internal error": 7, "worker died": 8}
