@@ -113,3 +113,24 @@ def test_decompose_inverts_fuse_on_the_onnx_backend_cases():
             plain = lnfuse.decompose(fused)
             assert not plain.report.unfused and not _fused_ops(plain.model), (case.name, target)
             assert _fused_ops(lnfuse.fuse(plain.model, target=target).model) == _fused_ops(fused), (case.name, target)
+
+
+_OPSET_11 = sorted(str(p.relative_to(SAMPLES)) for p in SAMPLES.glob("*/**/*.onnx")
+                   if "embed" in p.name and onnx.load(p, load_external_data=False).opset_import[0].version < 13
+                   and all(o.version < 13 for o in onnx.load(p, load_external_data=False).opset_import
+                           if o.domain in ("", "ai.onnx")))
+
+
+@pytest.mark.parametrize("name", _OPSET_11)
+def test_decompose_below_opset_13_writes_its_own_opsets_ops(name, tmp_path: Path):
+    """Positions 0..S-1 for EmbedLayerNormalization are made with the Unsqueeze of the model's opset (axes an
+    attribute before 13): ONNX Runtime takes the decomposed model, and no fused op is left (ORT's samples keep
+    their other contrib ops)."""
+    import onnxruntime as ort
+
+    lnfuse.fuse(SAMPLES / name).save(tmp_path / "fused.onnx")
+    plain = lnfuse.decompose(tmp_path / "fused.onnx")  # each replacement verified in ONNX Runtime
+    assert not plain.report.unfused, [(u.anchor, u.check, u.reason) for u in plain.report.unfused]
+    assert not _fused_ops(plain.model), "only primitive ops are left"
+    plain.save(tmp_path / "plain.onnx")
+    ort.InferenceSession(str(tmp_path / "plain.onnx"), providers=["CPUExecutionProvider"])

@@ -123,8 +123,11 @@ def _embed_replacement(node: ir.Node, ctx: GraphContext, model: ir.Model) -> Rep
                           {"axis": 0}, hint="lnfuse_positions")
         zero, one = ctx.constant(np.array(0, np.int64), "zero"), ctx.constant(np.array(1, np.int64), "one")
         arange = ctx.node("Range", [zero, length.outputs[0], one], hint="lnfuse_positions")
-        rows = ctx.node("Unsqueeze", [arange.outputs[0], ctx.constant(np.array([0], np.int64), "row_axis")],
-                        hint="lnfuse_positions")
+        if ctx.opset < 13:  # axes an attribute, as Unsqueeze had them before opset 13
+            rows = ctx.node("Unsqueeze", [arange.outputs[0]], {"axes": [0]}, hint="lnfuse_positions")
+        else:
+            rows = ctx.node("Unsqueeze", [arange.outputs[0], ctx.constant(np.array([0], np.int64), "row_axis")],
+                            hint="lnfuse_positions")
         position_ids = rows.outputs[0]
         for n, dims in ((shape, [2]), (length, []), (arange, [ids.shape[1]]), (rows, [1, ids.shape[1]])):
             n.outputs[0].type, n.outputs[0].shape = ir.TensorType(ir.DataType.INT64), ir.Shape(dims)

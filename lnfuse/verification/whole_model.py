@@ -265,7 +265,7 @@ def _check_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
         tensor = value.type.tensor_type
         want = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
         got = feeds[value.name]
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in tensor.shape.dim]
         if got.dtype != want or got.ndim != len(dims) or any(d not in (None, g) for d, g in zip(dims, got.shape)):
             shape = ",".join("?" if d is None else str(d) for d in dims)
             raise UsageError(f"--inputs '{value.name}' is {got.dtype}[{','.join(map(str, got.shape))}]; the model "
