@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if command == "fuse" and not args.model and args.from_list is None:
         parser.error("the following arguments are required: model (or --from-list FILE)")
+    if getattr(args, "upgrade_opset", False) and args.target != "onnx":
+        parser.error("--upgrade-opset converts the model for --target onnx (ONNX's own fused ops need opset 17 "
+                     "or 23); add --target onnx, or drop it: --target ort fuses at any opset")
     from lnfuse import interrupts
     try:
         with interrupts.as_keyboard_interrupt(), terminal.reader_may_leave(), terminal.library_messages():
@@ -237,7 +240,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
     if args.json:
         terminal.say_block(report.to_json())
     elif not args.quiet:
-        terminal.say(*report.summary_lines(verbose=args.verbose, colour=terminal.is_terminal()),
+        terminal.say(*report.summary_lines(verbose=args.verbose, colour=terminal.colour()),
                      f"wrote {args.output}")
     return 0
 

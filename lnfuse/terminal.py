@@ -14,6 +14,8 @@ its progress bar's cursor codes (``status``) are added after escaping, by this m
 
 from __future__ import annotations
 
+import os
+
 import contextlib
 import io
 import re
@@ -96,8 +98,15 @@ def status(text: str = "") -> None:
 
 
 def is_terminal(err: bool = False) -> bool:
-    """Whether stdout (``err``: stderr) is a terminal: colour and progress bars only there."""
-    return _stream(err).isatty()
+    """Whether stdout (``err``: stderr) is a terminal that moves its cursor: progress bars only there (not with
+    ``TERM=dumb``, which draws ``\r`` and clear-line codes as text)."""
+    return _stream(err).isatty() and os.environ.get("TERM") != "dumb"
+
+
+def colour(err: bool = False) -> bool:
+    """Whether to colour what goes to stdout (``err``: stderr): on such a terminal, unless ``NO_COLOR`` is set to
+    anything but the empty string (no-color.org)."""
+    return is_terminal(err) and not os.environ.get("NO_COLOR")
 
 
 def is_stderr(stream: object) -> bool:

@@ -116,12 +116,13 @@ def _verdicts(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("lnfuse check:")]
 
 
-def _on_a_terminal(*args: object, cwd: Path) -> tuple[int, str]:
-    """The command with stdout and stderr on a pseudo-terminal: colours and progress bars on. Returns the exit code
-    and what the terminal received, lnfuse's own codes (its colours, the bar's return-and-clear) taken out."""
+def _received(*args: object, cwd: Path, env: dict | None = None) -> tuple[int, str]:
+    """The command with stdout and stderr on a pseudo-terminal (``TERM=xterm``, no ``NO_COLOR``, unless ``env``
+    says otherwise): its exit code and everything the terminal received."""
     master, slave = os.openpty()
+    environment = {k: v for k, v in os.environ.items() if k != "NO_COLOR"} | {"TERM": "xterm"} | (env or {})
     proc = subprocess.Popen([sys.executable, "-m", "lnfuse.cli", *map(os.fsdecode, args)], stdin=subprocess.DEVNULL,
-                            stdout=slave, stderr=slave, cwd=cwd)
+                            stdout=slave, stderr=slave, cwd=cwd, env=environment)
     os.close(slave)
     received, deadline = b"", time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -138,9 +139,24 @@ def _on_a_terminal(*args: object, cwd: Path) -> tuple[int, str]:
         received += chunk
     os.close(master)
     code = proc.wait(timeout=60)
-    text = received.decode("utf-8").replace("\r\n", "\n")  # the terminal's own line discipline
+    return code, received.decode("utf-8").replace("\r\n", "\n")  # the terminal's own line discipline
+
+
+def _on_a_terminal(*args: object, cwd: Path) -> tuple[int, str]:
+    """The command on a pseudo-terminal: colours and progress bars on. Returns the exit code and what the terminal
+    received, lnfuse's own codes (its colours, the bar's return-and-clear) taken out."""
+    code, text = _received(*args, cwd=cwd)
     assert "\x1b[K" in text or "\x1b[" in text, "the run drew no bar or colour: nothing was tested"
     return code, re.sub(r"\r\x1b\[K|\x1b\[(?:0|1|32|33)m", "", text)
+
+
+def test_no_color_and_a_dumb_terminal_are_heeded(tmp_path: Path):
+    """``NO_COLOR``: no colour, the bar still drawn; ``TERM=dumb``: no code at all (it shows them as text)."""
+    model = _fusable(tmp_path / "m.onnx")
+    code, text = _received(model, "-o", tmp_path / "a.onnx", cwd=tmp_path, env={"NO_COLOR": "1"})
+    assert code == 0 and not re.search(r"\x1b\[(?:1|32|33)m", text), text
+    code, text = _received(model, "-o", tmp_path / "b.onnx", cwd=tmp_path, env={"TERM": "dumb"})
+    assert code == 0 and "\x1b" not in text and "\r" not in text.replace("\r\n", ""), text
 
 
 # -- the escape itself and who may print ---------------------------------------------------------------------------

@@ -66,8 +66,22 @@ def mark_model(model: ir.Model, report: Report, options: dict) -> None:
     props["lnfuse.version"] = lnfuse_version()
     props["lnfuse.target"] = report.target
     props["lnfuse.options"] = json.dumps(options, sort_keys=True, default=str)
-    props["lnfuse.fused"] = json.dumps(report.fused_counts(), sort_keys=True)
+    # a model fused again keeps what the earlier run fused (its ops are still in it), plus what this run did
+    fused = Counter(_counts(props.get("lnfuse.fused")))
+    fused.update(report.fused_counts())
+    props["lnfuse.fused"] = json.dumps(dict(fused), sort_keys=True)
     props["lnfuse.unfused"] = str(len(report.unfused))
+
+
+def _counts(text: str | None) -> dict[str, int]:
+    """An earlier run's fused op counts, if the model's metadata holds them as lnfuse writes them."""
+    try:
+        counts = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    if not isinstance(counts, dict):
+        return {}
+    return {op: n for op, n in counts.items() if isinstance(op, str) and isinstance(n, int) and n > 0}
 
 
 def mark_decomposed(model: ir.Model, report: Report, verify: bool) -> None:
