@@ -76,9 +76,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2)
 
 
+_DESCRIPTIONS = {
+    "fuse": "Fuse the normalizations of ONNX models (LayerNormalization, RMSNormalization and ONNX Runtime's fused "
+            "norms), each rewrite verified in ONNX Runtime. One model: -o names the output file; several models, a "
+            "folder, a glob or --from-list: -o names a folder that mirrors the inputs.",
+    "explain": "List every norm-like candidate of a model: fused (into what, with the error measured), kept, or left "
+               "with the check that failed and the values it saw. Writes nothing unless --annotate or --report.",
+    "decompose": "Replace every fused norm op lnfuse can write with primitive ONNX ops (the exact inverse of fuse), "
+                 "for runtimes without the fused kernels; each replacement verified in ONNX Runtime.",
+    "check": "A CI gate: exit 1 if a norm-like candidate of the model is left unfused (as fuse would leave it), 0 if "
+             "none is. Writes nothing.",
+}
+
+
 def _parser(command: str) -> argparse.ArgumentParser:
-    parser = _Parser(prog=f"lnfuse{'' if command == 'fuse' else ' ' + command}",
-                     description="Verified normalization fusion for ONNX models.")
+    parser = _Parser(prog=f"lnfuse{'' if command == 'fuse' else ' ' + command}", description=_DESCRIPTIONS[command])
     if command == "decompose":
         parser.add_argument("model", help="input .onnx file (never modified)")
         parser.add_argument("-o", "--output", required=True, help="where to write the decomposed model")

@@ -50,3 +50,58 @@ def test_the_api_save_error_names_the_api_argument(tmp_path: Path):
     with pytest.raises(OutputError, match="in_place=True"):
         result.save(model)
     result.save(model, in_place=True)
+
+
+def test_the_olive_helper_without_olive_says_what_to_install():
+    pytest.importorskip("onnx")  # always there; Olive is not part of .[test]
+    try:
+        import olive  # noqa: F401
+        pytest.skip("Olive is installed here")
+    except ImportError:
+        pass
+    proc = subprocess.run([sys.executable, "-m", "lnfuse.integrations.olive"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "pip install olive-ai" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_jobs_with_one_model_is_still_one_models_run(tmp_path: Path):
+    """``--jobs 2`` with one model writes ``-o fused.onnx`` as a file, not a folder; ``-o`` naming a folder for one
+    model is refused with the file name to give."""
+    (tmp_path / "m.onnx").write_bytes(SAMPLE.read_bytes())
+    proc = _lnfuse("m.onnx", "-o", "fused.onnx", "--jobs", "2", "-q", cwd=tmp_path)
+    assert proc.returncode == 0 and (tmp_path / "fused.onnx").is_file(), proc.stderr
+    proc = _lnfuse("m.onnx", "-o", "out/", cwd=tmp_path)
+    assert proc.returncode == 2 and "out/m.onnx" in proc.stderr and not (tmp_path / "out").exists(), proc.stderr
+
+
+def test_a_folder_fused_into_itself_says_why_nothing_runs(tmp_path: Path):
+    (tmp_path / "m.onnx").write_bytes(SAMPLE.read_bytes())
+    proc = _lnfuse(".", "-o", ".", cwd=tmp_path)
+    assert proc.returncode == 2 and "--in-place" in proc.stderr and "no .onnx file" not in proc.stderr
+
+
+def test_upper_case_models_and_dangling_links_are_not_skipped_silently(tmp_path: Path):
+    zoo = tmp_path / "zoo"
+    (zoo / "x.onnx").mkdir(parents=True)  # a folder named like a model is a folder
+    (zoo / "A.ONNX").write_bytes(SAMPLE.read_bytes())
+    (zoo / "x.onnx" / "b.onnx").write_bytes(SAMPLE.read_bytes())
+    (zoo / "dead.onnx").symlink_to("nowhere.onnx")
+    proc = _lnfuse(zoo, "-o", tmp_path / "out", "--jobs", "1", "--json")
+    import json
+    rows = {row["model"]: row["status"] for row in json.loads(proc.stdout)["models"]}
+    assert rows == {"A.ONNX": "fused", "x.onnx/b.onnx": "fused", "dead.onnx": "bad input"}, rows
+
+
+def test_subcommands_describe_themselves():
+    texts = {command: _lnfuse(command, "--help").stdout for command in ("explain", "decompose", "check")}
+    assert "exit 1" in texts["check"] and "primitive ONNX ops" in texts["decompose"] and "candidate" in texts["explain"]
+    assert len(set(texts.values())) == 3
+
+
+def test_a_resumed_run_with_nothing_left_says_so(tmp_path: Path):
+    (tmp_path / "zoo").mkdir()
+    (tmp_path / "zoo" / "m.onnx").write_bytes(SAMPLE.read_bytes())
+    assert _lnfuse("zoo", "-o", "out", "--jobs", "1", cwd=tmp_path).returncode == 0
+    again = _lnfuse("zoo", "-o", "out", "--jobs", "1", cwd=tmp_path)
+    assert "nothing left to run" in again.stderr and "running the rest" not in again.stderr, again.stderr

@@ -15,14 +15,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from olive.hardware.accelerator import AcceleratorSpec
-from olive.model import ONNXModelHandler
-from olive.model.utils import resolve_onnx_path
-from olive.package_config import OlivePackageConfig
-from olive.passes import Pass
-from olive.passes.pass_config import BasePassConfig, PassConfigParam
-
 from lnfuse import terminal
+
+try:
+    from olive.hardware.accelerator import AcceleratorSpec
+    from olive.model import ONNXModelHandler
+    from olive.model.utils import resolve_onnx_path
+    from olive.package_config import OlivePackageConfig
+    from olive.passes import Pass
+    from olive.passes.pass_config import BasePassConfig, PassConfigParam
+except ImportError as missing:
+    if __name__ != "__main__":
+        raise
+    terminal.say(f"lnfuse: error: this helper writes Olive's package config and needs Olive ({missing.name} is not "
+                 "installed): pip install olive-ai", err=True)
+    raise SystemExit(2) from None
+
 from lnfuse.api import fuse
 
 

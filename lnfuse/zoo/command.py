@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
     quiet = args.quiet or args.json
     progress = Progress(len(jobs), quiet=quiet)
     if resumed and not quiet:
-        terminal.say(f"lnfuse: {resumed} of {len(jobs)} model(s) already finished in {ledger.path}; running the rest",
-                     err=True)
+        rest = "running the rest" if resumed < len(jobs) else \
+            "nothing left to run (remove the ledger, or a model's rows, to fuse again)"
+        terminal.say(f"lnfuse: {resumed} of {len(jobs)} model(s) already finished in {ledger.path}; {rest}", err=True)
     progress.resumed(resumed)
 
     def finished(row: dict) -> None:

@@ -48,6 +48,10 @@ def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude
     for entry in entries:
         path = _absolute(entry)
         if path.is_dir():
+            if _under(_real(path), skipped):
+                raise UsageError(f"{entry}: is the output folder {output} (or inside it), whose models are skipped so "
+                                 "that outputs never replace inputs; give another -o, or --in-place to rewrite the "
+                                 "models where they are")
             found += [(model, path) for model in _walk(path, skipped, budget)]
         elif not path.exists() and glob.has_magic(entry):
             matches = [_absolute(m) for m in _glob(entry, budget)]
@@ -111,14 +115,19 @@ class _Budget:
 
 
 def _walk(folder: Path, output: Path | None, budget: _Budget) -> list[Path]:
-    """The ``*.onnx`` files in ``folder`` at any depth up to ``MAX_FOLDER_DEPTH``, in sorted order, without
-    ``output`` or lnfuse's temporary folders."""
+    """The ``*.onnx`` files (any case) in ``folder`` at any depth up to ``MAX_FOLDER_DEPTH``, in sorted order,
+    without ``output`` or lnfuse's temporary folders."""
     root = os.path.realpath(folder)
     # a link found in the folder is the folder's, not the user's: followed only where it stays inside it
+    # ``M.ONNX`` is a model too; a link to nothing is kept, so that its row says so rather than nothing at all
     return [path for path, entry in _files(folder, output, budget, str(folder))
-            if entry.name.endswith(".onnx") and entry.is_file()
-            and (not entry.is_symlink() or (trust.inside(os.path.realpath(path), root)
-                                            and not _in_output(path, output)))]
+            if entry.name.lower().endswith(".onnx") and (entry.is_file() or _dangling(path))
+            and (not entry.is_symlink() or _dangling(path) or (trust.inside(os.path.realpath(path), root)
+                                                               and not _in_output(path, output)))]
+
+
+def _dangling(path: Path) -> bool:
+    return path.is_symlink() and not path.exists()
 
 
 def _files(folder: Path, output: Path | None, budget: _Budget, said: str) -> list[tuple[Path, os.DirEntry]]:

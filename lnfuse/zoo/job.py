@@ -81,7 +81,7 @@ def run(job: Job, hashed: Callable[[dict], None] | None = None) -> dict:
     except MemoryError:
         fields.update(status="over memory", exit=BAD, reason="ran out of memory under --max-memory")
     except Exception as error:  # noqa: BLE001 - one model's bug is its row, never the run's end
-        text = one_line(first_line(error))[:300]
+        text = _shortened(one_line(first_line(error)))
         if out_of_memory(text):
             fields.update(status="over memory", exit=BAD, reason=f"ran out of memory ({text})")
         else:
@@ -174,9 +174,17 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
     if report.unfused:
         first = report.unfused[0]
         return done | {"status": "candidates left", "exit": OK,  # written, as a run of the model alone: exit 0
-                       "reason": one_line(f"{len(report.unfused)} left, first {first.anchor} [{first.rule}/"
-                                          f"{first.check}] {first.reason}")[:300]}
+                       "reason": _shortened(one_line(f"{len(report.unfused)} left, first {first.anchor} "
+                                                     f"[{first.rule}/{first.check}] {first.reason}"))}
     return done | {"status": "fused" if fused else "nothing to fuse", "exit": OK}
+
+
+def _shortened(text: str, limit: int = 300) -> str:
+    """``text`` cut at a word's end to fit ``limit`` characters, with an ellipsis when cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 1]
+    return (cut[:cut.rfind(" ")] if " " in cut else cut).rstrip(" ,;:") + "…"
 
 
 def _make_folder(folder: Path) -> None:

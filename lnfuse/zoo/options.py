@@ -33,15 +33,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def is_many(args: argparse.Namespace) -> bool:
-    """A many-model run: more than one input, a folder or a glob, or one of the many-model options."""
-    if len(args.model) != 1 or any(getattr(args, name) is not None for name in ("from_list", "jobs", "ray")):
+    """A many-model run: more than one input, a folder or a glob, a list or Ray. One model file is one model's run
+    whatever else is given (``--jobs 2`` with one model does not make ``-o fused.onnx`` a folder)."""
+    if len(args.model) != 1 or any(getattr(args, name) is not None for name in ("from_list", "ray")):
         return True
     only = args.model[0]
     return os.path.isdir(only) or (not os.path.exists(only) and glob.has_magic(only))
 
 
 def check_single(args: argparse.Namespace) -> None:
-    """The many-model options that mean nothing for one model: refused rather than ignored."""
+    """The many-model options that mean nothing for one model: refused rather than ignored; and ``-o`` naming a
+    folder, where one model's output is a file."""
+    output = getattr(args, "output", None)
+    if output and (output.endswith(("/", os.sep)) or os.path.isdir(output)):
+        name = os.path.basename(args.model[0]) or "model.onnx"
+        raise UsageError(f"-o {output}: a folder; for one model name the output file (-o "
+                         f"{os.path.join(output, name)}), or give a folder or several models to fill a folder")
     given = [flag for flag, name in (("--timeout", "timeout"), ("--max-memory", "max_memory"), ("--ledger", "ledger"))
              if getattr(args, name) is not None]
     if given:
