@@ -26,6 +26,7 @@ from lnfuse.rules import all_rules
 from lnfuse.commands.quantize import SCHEMES, accuracy, quantize_embeddings
 from lnfuse.targets import TARGETS
 from lnfuse.match.quantized_norms import quantized_norms
+from lnfuse.index.ops import op_key, op_name
 from lnfuse.index.traversal import every_node
 from lnfuse.verification.whole_model import compare_models
 
@@ -125,6 +126,8 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
             stage(0.85, "running the whole original and fused models")
             report.model_check = compare_models(original, ir.serde.serialize_model(loaded.model), inputs,
                                                 gate=loaded.gate)
+        if target == "onnx":
+            _standard_ops_only(loaded.model)
         write.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
         mark_model(loaded.model, report, {"target": target, "verify": verify, "only": sorted(only or []),
                                           "skip": sorted(skip or []), "upgrade_opset": upgrade_opset,
@@ -302,3 +305,26 @@ def _names(rules: Iterable[str] | str | None) -> list[str] | None:
     if isinstance(rules, str):
         return [name.strip() for name in rules.split(",") if name.strip()]
     return None if rules is None else list(rules)
+
+
+#: the domains of ops only ONNX Runtime runs
+_ORT_DOMAINS = frozenset({"com.microsoft", "com.microsoft.nchwc", "com.ms.internal.nhwc", "com.microsoft.dml",
+                          "com.microsoft.extensions"})
+#: ONNX Runtime's ops that ``lnfuse decompose`` lowers to ONNX ops
+_LOWERED = frozenset({"LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+                      "SkipSimplifiedLayerNormalization", "EmbedLayerNormalization", "RMSNormalization"})
+
+
+def _standard_ops_only(model: ir.Model) -> None:
+    """``--target onnx`` keeps its promise on every input: a model still holding an op only ONNX Runtime runs (one
+    the input brought: a contrib op, or a default-domain op ONNX does not define at the model's opset, such as
+    ORT's LayerNormalization before opset 17) is refused, never written to fail the checker."""
+    graphs = [(model.graph, model.opset_imports.get("", 1))]
+    graphs += [(f, f.opset_imports.get("", model.opset_imports.get("", 1))) for f in model.functions.values()]
+    for graph, opset in graphs:
+        for node in every_node(graph):
+            domain, name = op_key(node)
+            if domain in _ORT_DOMAINS or (domain == "" and not onnx.defs.has(name, opset, "")):
+                fix = "run lnfuse decompose on it first" if name in _LOWERED else "use --target ort (the default)"
+                raise UsageError(f"--target onnx: the model holds {op_name(node)} '{node.name}', which only ONNX "
+                                 f"Runtime runs{'' if domain else f' at opset {opset}'}; {fix}")

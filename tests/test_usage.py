@@ -105,3 +105,27 @@ def test_a_resumed_run_with_nothing_left_says_so(tmp_path: Path):
     assert _lnfuse("zoo", "-o", "out", "--jobs", "1", cwd=tmp_path).returncode == 0
     again = _lnfuse("zoo", "-o", "out", "--jobs", "1", cwd=tmp_path)
     assert "nothing left to run" in again.stderr and "running the rest" not in again.stderr, again.stderr
+
+
+def test_target_onnx_never_writes_a_model_the_checker_refuses(tmp_path: Path):
+    """Inputs that already hold ONNX Runtime's ops (its LayerNormalization at opset 11, com.microsoft ops): every
+    output of a --target onnx --upgrade-opset run passes the full checker, or the model's row says refused."""
+    import json
+    import shutil
+
+    import onnx
+
+    samples = SAMPLE.parents[2] / "ort_fusion"
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    for name in ("embed_layer_norm_format3.onnx", "layer_norm_fusion_scale_bias.onnx", "layer_norm_shared_input.onnx"):
+        shutil.copyfile(samples / name, zoo / name)
+    proc = _lnfuse(zoo, "-o", tmp_path / "out", "--target", "onnx", "--upgrade-opset", "--jobs", "1", "--json")
+    rows = json.loads(proc.stdout)["models"]
+    assert any(row["status"] == "bad input" and "only ONNX Runtime runs" in row["reason"] for row in rows), rows
+    for row in rows:
+        if row["exit"] == 0:
+            onnx.checker.check_model(onnx.load(row["output"]), full_check=True)
+    single = _lnfuse(zoo / "embed_layer_norm_format3.onnx", "-o", tmp_path / "one.onnx", "--target", "onnx")
+    assert single.returncode == 2 and len(single.stderr.strip().splitlines()) == 1, single.stderr
+    assert "decompose" in single.stderr and not (tmp_path / "one.onnx").exists()
