@@ -19,7 +19,7 @@ from pathlib import Path
 # only what parsing the command line needs: the optimizer (onnx_ir, ONNX Runtime, numpy) is imported by the command
 # that runs it, so --help and usage errors answer at once
 from lnfuse import terminal
-from lnfuse.errors import LnfuseError, UsageError
+from lnfuse.errors import LnfuseError
 from lnfuse.targets import TARGETS
 from lnfuse.zoo import options as zoo_options
 
@@ -180,7 +180,6 @@ def _check_outputs(*paths: str | None) -> None:
 
 
 def _run(command: str, args: argparse.Namespace) -> int:
-    import numpy as np
 
     from lnfuse.api import fuse
     from lnfuse.commands.decompose import decompose
@@ -194,11 +193,9 @@ def _run(command: str, args: argparse.Namespace) -> int:
         return 0
     inputs = None
     if getattr(args, "inputs", None):
-        try:
-            inputs = dict(np.load(args.inputs))
-        except (OSError, ValueError) as error:
-            raise UsageError(f"{args.inputs}: cannot read inputs ({error}); give an .npz of input name -> array")\
-                from None
+        from lnfuse.verification.whole_model import read_inputs
+
+        inputs = read_inputs(args.inputs)
     quiet = getattr(args, "quiet", False) or getattr(args, "json", False)
     bar = None if quiet or not terminal.is_terminal(err=True) else _progress
     result = fuse(args.model, target=args.target, verify=not args.no_verify, only=_rules(args.only),

@@ -334,3 +334,35 @@ def test_an_input_with_a_0_dim_is_fused_or_left_and_computes_the_same(tmp_path: 
         assert runs[0].shape == runs[1].shape == tuple(shape)
     else:
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def _function_fanout(n: int) -> onnx.ModelProto:
+    """f0 calls f1 twice, f1 calls f2 twice, ...: a kilobyte that ONNX Runtime and onnx's shape inference inline
+    into 2^n nodes."""
+    functions = [oh.make_function("loc", f"f{n}", ["a"], ["b"], [oh.make_node("Neg", ["a"], ["b"])],
+                                  [oh.make_opsetid("", 18)])]
+    for i in reversed(range(n)):
+        functions.append(oh.make_function(
+            "loc", f"f{i}", ["a"], ["b"], [oh.make_node(f"f{i + 1}", ["a"], ["t"], domain="loc"),
+                                           oh.make_node(f"f{i + 1}", ["t"], ["b"], domain="loc")],
+            [oh.make_opsetid("", 18), oh.make_opsetid("loc", 1)]))
+    graph = oh.make_graph([oh.make_node("f0", ["x"], ["y"], domain="loc")], "g",
+                          [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    return oh.make_model(graph, functions=functions, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("loc", 1)])
+
+
+@pytest.mark.parametrize("n", [8, 40])
+def test_functions_that_call_each_other_twice_are_bounded(tmp_path: Path, n: int):
+    """n = 40 describes 2^40 inlined nodes in 2 KB (it took hours, its time doubling with each level): refused at
+    once in one line; n = 8 (256 nodes) fuses as any model does."""
+    path = tmp_path / "m.onnx"
+    onnx.save(_function_fanout(n), path)
+    start = time.monotonic()
+    proc = subprocess.run(_CLI + [str(path), "-o", str(tmp_path / "o.onnx")], capture_output=True, text=True,
+                          timeout=300)
+    if n == 8:
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert proc.returncode == 2 and "1,000,000 nodes" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and time.monotonic() - start < 60

@@ -129,3 +129,16 @@ def test_target_onnx_never_writes_a_model_the_checker_refuses(tmp_path: Path):
     single = _lnfuse(zoo / "embed_layer_norm_format3.onnx", "-o", tmp_path / "one.onnx", "--target", "onnx")
     assert single.returncode == 2 and len(single.stderr.strip().splitlines()) == 1, single.stderr
     assert "decompose" in single.stderr and not (tmp_path / "one.onnx").exists()
+
+
+@pytest.mark.parametrize("content", [b"not a zip", b"\x93NUMPY"])
+def test_inputs_that_are_not_an_npz_are_a_usage_error(tmp_path: Path, content: bytes):
+    (tmp_path / "m.onnx").write_bytes(SAMPLE.read_bytes())
+    (tmp_path / "in.npz").write_bytes(content)
+    proc = _lnfuse("m.onnx", "-o", "o.onnx", "--verify", "model", "--inputs", "in.npz", cwd=tmp_path)
+    assert proc.returncode == 2 and "numpy.savez" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_path_too_long_for_the_system_is_a_usage_error(tmp_path: Path):
+    proc = _lnfuse("x" * 5000 + ".onnx", "y.onnx", "-o", "out", cwd=tmp_path)
+    assert proc.returncode == 2 and "give a shorter path" in proc.stderr, proc.stderr

@@ -224,14 +224,20 @@ def _is_identity_requantization(node: ir.Node) -> bool:
     while (producer := value.producer()) is not None and onnx_op(producer) in _MOVES:
         value = producer.inputs[0]
     source = value.producer()
-    return source is not None and is_op(source, "DequantizeLinear") and _grid(source) == grid
+    if source is None or not is_op(source, "DequantizeLinear") or _grid(source) != grid:
+        return False
+    # the pair gives back its input only in the input's own float type: a pair that dequantizes into another
+    # (a float16 value requantized, then dequantized with a float32 scale) changes the readers' dtype and rounding
+    given, made = quantize.inputs[0].dtype, node.outputs[0].dtype
+    return given is not None and given == made
 
 
 def _grid(node: ir.Node) -> tuple | None:
-    """(scale, zero point, zero-point dtype) of a per-tensor (De)QuantizeLinear, or None."""
+    """(scale, its dtype, zero point, zero-point dtype) of a per-tensor (De)QuantizeLinear, or None."""
     if len(node.inputs) < 3 or node.inputs[2] is None:
         return None
     scale, zero = static_value(node.inputs[1]), static_value(node.inputs[2])
     if scale is None or zero is None or scale.size != 1 or zero.size != 1:
         return None
-    return float(np.asarray(scale).reshape(-1)[0]), int(np.asarray(zero).reshape(-1)[0]), str(zero.dtype)
+    return (float(np.asarray(scale).reshape(-1)[0]), str(scale.dtype), int(np.asarray(zero).reshape(-1)[0]),
+            str(zero.dtype))

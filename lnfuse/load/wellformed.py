@@ -35,6 +35,48 @@ def check(proto: onnx.ModelProto, where: str) -> None:
     _walk(proto, "model", where, text_checked=_all_text_is_utf8(proto))
     _claims_match_initializers(proto.graph, where)
     _node_names_unique(proto, where)
+    _inlined_size_bounded(proto, where)
+
+
+#: nodes the model's function calls may expand to: ONNX Runtime (and onnx's shape inference, once per call site)
+#: inlines every call, so a few functions that each call the next twice describe 2^n nodes in a kilobyte. Real
+#: exports with functions expand to tens of thousands
+MAX_INLINED_NODES = 1_000_000
+
+
+def _inlined_size_bounded(proto: onnx.ModelProto, where: str) -> None:
+    """Refuse a model whose function calls expand past ``MAX_INLINED_NODES`` nodes, counted once per function (a
+    memo, walked with a stack: no recursion on the call depth a model decides). A call cycle counts no further
+    (the checker refuses recursion)."""
+    functions = {_function_id(f): f for f in proto.functions}
+    if not functions:
+        return
+    size: dict[tuple, int] = {}
+
+    def nodes_of(nodes) -> list[onnx.NodeProto]:
+        return list(nodes) + [n for body in proto_bodies(nodes) for n in body.node]
+
+    def total(nodes) -> int:
+        return min(sum(size.get(_function_id(n), 0) if _function_id(n) in functions else 1
+                       for n in nodes_of(nodes)), MAX_INLINED_NODES + 1)
+
+    stack, entered = [(key, False) for key in functions], set()
+    while stack:
+        key, done = stack.pop()
+        if done:
+            size[key] = total(functions[key].node)
+            continue
+        if key in entered:
+            continue
+        entered.add(key)
+        stack.append((key, True))
+        stack.extend((callee, False) for n in nodes_of(functions[key].node)
+                     if (callee := _function_id(n)) in functions and callee not in entered)
+    expanded = total(proto.graph.node)
+    if expanded > MAX_INLINED_NODES:
+        raise InputError(f"{where}: its model-local functions call one another into more than "
+                         f"{MAX_INLINED_NODES:,} nodes once inlined (as ONNX Runtime and onnx's shape inference "
+                         "inline every call); call each function once, or inline them where the model was made")
 
 
 def _node_names_unique(proto: onnx.ModelProto, where: str) -> None:

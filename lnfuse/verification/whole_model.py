@@ -289,3 +289,17 @@ def _outputs(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     names = [o.name for o in sess.get_outputs()]
     wanted = {i.name for i in sess.get_inputs()}
     return dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in wanted})))
+
+
+def read_inputs(path: str) -> dict[str, np.ndarray]:
+    """``--inputs FILE.npz``: input name -> array, or ``UsageError`` saying what to give (a file that is not an .npz,
+    an .npy, a pickle, a damaged archive)."""
+    import zipfile
+
+    try:
+        with np.load(path) as arrays:  # no pickles: allow_pickle stays False
+            return {name: arrays[name] for name in arrays.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError, TypeError) as error:
+        said = first_line(error) if str(error) else type(error).__name__
+        raise UsageError(f"{path}: cannot read inputs ({said}); give an .npz of input name -> array (numpy.savez)")\
+            from None

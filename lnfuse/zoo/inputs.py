@@ -47,6 +47,7 @@ def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude
     budget = _Budget()
     for entry in entries:
         path = _absolute(entry)
+        _named(path, entry)
         if path.is_dir():
             if _under(_real(path), skipped):
                 raise UsageError(f"{entry}: is the output folder {output} (or inside it), whose models are skipped so "
@@ -76,6 +77,17 @@ def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude
             seen.add(key)
             models.append(Model(path, path.relative_to(root)))
     return models
+
+
+def _named(path: Path, entry: str) -> None:
+    """``UsageError`` for an input the system cannot even look up (a name longer than it allows)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        pass  # a missing file stays in the list: its row says so
+    except OSError as error:
+        shown = entry if len(entry) <= 120 else entry[:60] + "..." + entry[-40:]
+        raise UsageError(f"{shown}: cannot be looked up ({error.strerror}); give a shorter path") from None
 
 
 #: a list of paths longer than this is not a list of models

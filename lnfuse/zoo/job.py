@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from lnfuse.load import trust
-from lnfuse.errors import LnfuseError, OutputError, UsageError, first_line, one_line, out_of_memory
+from lnfuse.errors import LnfuseError, OutputError, first_line, one_line, out_of_memory
 from lnfuse.version import version_line
 from lnfuse.zoo.identity import IDENTITY, ModelIdentity, of_model
 
@@ -223,11 +223,9 @@ def _read_files(model, path: Path) -> tuple[list[str] | None, dict[str, list[int
 def _inputs(path: str | None) -> dict | None:
     if path is None:
         return None
-    import numpy as np
-    try:
-        return dict(np.load(path))
-    except (OSError, ValueError) as error:
-        raise UsageError(f"{path}: cannot read inputs ({error}); give an .npz of input name -> array") from None
+    from lnfuse.verification.whole_model import read_inputs
+
+    return read_inputs(path)
 
 
 def listed_files(path: Path) -> list[str] | None:
