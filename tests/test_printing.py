@@ -310,3 +310,14 @@ def test_on_a_terminal_only_lnfuses_own_codes_arrive(folder: Path, tmp_path: Pat
     code, shown = _on_a_terminal(_zoo(tmp_path), "-o", tmp_path / "many", "--jobs", "1", cwd=tmp_path)
     assert code == 2, shown
     assert "this run:" in _shown(shown.encode()) and _verdicts(shown) == []
+
+
+def test_the_progress_line_keeps_a_long_names_start_and_end(tmp_path: Path):
+    """A model deep in a tree: the bar shows its first folder and its file name, the middle left out."""
+    deep = tmp_path / "zoo" / "organisation" / ("a-very-long-family-name-" * 3) / "variant"
+    deep.mkdir(parents=True)
+    _fusable(deep / "model_quantized.onnx")
+    _fusable(tmp_path / "zoo" / "other.onnx")
+    code, text = _received(tmp_path / "zoo", "-o", tmp_path / "out", "--jobs", "1", cwd=tmp_path)
+    assert code == 0, text
+    assert "organisation/…" in text and "model_quantized.onnx" in text, text

@@ -142,3 +142,19 @@ def test_inputs_that_are_not_an_npz_are_a_usage_error(tmp_path: Path, content: b
 def test_a_path_too_long_for_the_system_is_a_usage_error(tmp_path: Path):
     proc = _lnfuse("x" * 5000 + ".onnx", "y.onnx", "-o", "out", cwd=tmp_path)
     assert proc.returncode == 2 and "give a shorter path" in proc.stderr, proc.stderr
+
+
+def test_fusing_a_fused_model_keeps_what_the_first_run_fused(tmp_path: Path):
+    import onnx
+
+    (tmp_path / "m.onnx").write_bytes(SAMPLE.read_bytes())
+    assert _lnfuse("m.onnx", "-o", "once.onnx", "-q", cwd=tmp_path).returncode == 0
+    assert _lnfuse("once.onnx", "-o", "twice.onnx", "-q", cwd=tmp_path).returncode == 0
+    props = {p.key: p.value for p in onnx.load(tmp_path / "twice.onnx").metadata_props}
+    assert props["lnfuse.fused"] == '{"LayerNormalization": 1}', props
+
+
+def test_upgrade_opset_without_target_onnx_is_not_ignored(tmp_path: Path):
+    (tmp_path / "m.onnx").write_bytes(SAMPLE.read_bytes())
+    proc = _lnfuse("m.onnx", "-o", "o.onnx", "--upgrade-opset", cwd=tmp_path)
+    assert proc.returncode == 2 and "--target onnx" in proc.stderr.splitlines()[-1], proc.stderr

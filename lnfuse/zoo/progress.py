@@ -52,10 +52,24 @@ class Progress:
             return
         elapsed = time.monotonic() - self.start
         ran = self.done - self.total_resumed
-        eta = "--:--" if not ran else _clock(elapsed / ran * (self.total - self.done))
+        # the first models carry the workers' start-up: an estimate from them alone is far off
+        eta = "--:--" if ran < min(_SETTLED, self.total - self.total_resumed) else \
+            _clock(elapsed / ran * (self.total - self.done))
         filled = round(24 * self.done / max(self.total, 1))
         terminal.status(f"[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} done, "
-                        f"{self.failed} failed, {self.running} running, ETA {eta}  {terminal.escape(label)[-40:]}")
+                        f"{self.failed} failed, {self.running} running, ETA {eta}  {_fit(terminal.escape(label))}")
+
+
+#: models finished before the ETA is shown
+_SETTLED = 3
+
+
+def _fit(name: str, width: int = 40) -> str:
+    """A model's path in ``width`` characters: its first folder and its file name, the middle left out."""
+    if len(name) <= width:
+        return name
+    tail = width * 2 // 3
+    return name[:width - tail - 1] + "…" + name[-tail:]
 
 
 def _clock(seconds: float) -> str:
