@@ -189,15 +189,15 @@ class Report:
             err = "" if f.max_error is None else f"; verified, max error {f.max_error:.2e}"
             lines.append(f"FUSED   {f.graph}: {f.op_type}({attrs}) from {', '.join(f.nodes)}{err}")
             lines.extend(f"        note: {note}" for note in f.notes)
-        for u in self.unfused:
-            lines.append(f"LEFT    {u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
-            if verbose:
-                lines += [f"        also refused: [{u.rule}/{o.check}] {o.reason} (a form of {o.matched} nodes)"
-                          for o in u.others]
-            elif u.others:
-                lines.append(f"        ({len(u.others)} other check(s) failed on other forms tried; -v lists them)")
-        for k in self.kept:
-            lines.append(f"KEPT    {k.graph}: {k.anchor} as it is [{k.rule}/{k.check}] {k.reason}")
+        for label, entries in (("LEFT    ", self.unfused), ("KEPT    ", self.kept)):
+            for u in entries:
+                lines.append(f"{label}{u.graph}: {u.anchor} [{u.rule}/{u.check}] {u.reason}")
+                if verbose:
+                    lines += [f"        also refused: [{u.rule}/{o.check}] {o.reason} (a form of {o.matched} nodes)"
+                              for o in u.others]
+                elif u.others:
+                    lines.append(f"        ({len(u.others)} other check(s) failed on other forms tried; -v lists "
+                                 "them)")
         if self.candidates:
             left = sum(not c.fused for c in self.candidates)
             lines.append(f"{len(self.candidates)} norm-like statistic(s) found: {len(self.candidates) - left} fused, "

@@ -207,8 +207,8 @@ def test_verification_stops_a_rule_that_would_drop_position_ids(monkeypatch):
     monkeypatch.setattr(embed_norm, "_is_arange", lambda ids, depth=0: ids.name == "pos_ids" or real(ids, depth))
     result = lnfuse.fuse(_qdq_bert(positions="roberta", vocab=9000), only=["embed_norm"])
     assert "QEmbedLayerNormalization" not in op_types(result.model)
-    refused = [u for u in result.report.unfused if u.rule == "embed_norm"]
-    assert refused and all(u.check == "verify" for u in refused), result.report.unfused
+    refused = [u for u in result.report.kept if u.rule == "embed_norm"]
+    assert refused and all(u.check == "verify" for u in refused), result.report.kept
 
 
 @pytest.mark.parametrize("positions", ["slice", "roberta"])
@@ -217,7 +217,7 @@ def test_verification_stops_a_wrong_epsilon_on_a_large_vocabulary(monkeypatch, p
     from lnfuse.rules import embed_norm
     monkeypatch.setattr(embed_norm, "kernel_epsilon", lambda node, default: 1e-3)
     result = lnfuse.fuse(_bert(positions=positions, vocab=9000), only=["embed_norm"])
-    assert not result.report.fused and [u.check for u in result.report.unfused] == ["verify"]
+    assert not result.report.fused and [u.check for u in result.report.kept] == ["verify"]
 
 
 @pytest.mark.parametrize("scheme", ["uint8", "int8"])

@@ -45,7 +45,7 @@ def _residual_norm(z_shape: list, gamma_from_sum: bool = False) -> onnx.ModelPro
 def _only_refusal(model: onnx.ModelProto) -> lnfuse.report.Unfused:
     report = lnfuse.fuse(model).report
     assert not report.fused
-    [refused] = [u for u in report.unfused if u.anchor == "LayerNormalization 'norm'"]
+    [refused] = [u for u in report.kept if u.anchor == "LayerNormalization 'norm'"]
     return refused
 
 
@@ -76,8 +76,8 @@ def test_explain_prints_the_deciding_reason_and_lists_the_others_under_v(tmp_pat
     onnx.save(_residual_norm([1, 1, H]), path)
     plain = _cli("explain", str(path))
     assert plain.returncode == 0, plain.stderr
-    [left] = [line for line in plain.stdout.splitlines() if line.startswith("LEFT")]
-    assert "[skip_norm/shape] the addends of 's'" in left
+    [kept] = [line for line in plain.stdout.splitlines() if line.startswith("KEPT")]  # a fused norm, kept as it is
+    assert "[skip_norm/shape] the addends of 's'" in kept and "LEFT" not in plain.stdout
     assert "other check(s) failed on other forms tried; -v lists them" in plain.stdout
     assert "[skip_norm/bias]" not in plain.stdout
 
@@ -86,11 +86,11 @@ def test_explain_prints_the_deciding_reason_and_lists_the_others_under_v(tmp_pat
         in verbose.stdout
 
     data = json.loads(_cli("explain", str(path), "--json").stdout)
-    [entry] = data["unfused"]
-    assert entry["check"] == "shape" and {o["check"] for o in entry["others"]} == {"bias", "shape"}
+    [entry] = data["kept"]
+    assert data["unfused"] == [] and entry["check"] == "shape" and {o["check"] for o in entry["others"]} == \
+        {"bias", "shape"}
 
     check = _cli("check", str(path), "-v")
-    assert check.returncode == 1
-    assert "[skip_norm/shape]" in check.stdout and "also refused: [skip_norm/bias]" in check.stdout
+    assert check.returncode == 0, "a norm that is fused already is not left unfused"
     as_json = _cli("check", str(path), "--json")
-    assert as_json.returncode == 1 and json.loads(as_json.stdout)["unfused"][0]["check"] == "shape"
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["kept"][0]["check"] == "shape"

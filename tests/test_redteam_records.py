@@ -126,7 +126,7 @@ def test_the_same_forgery_signed_with_the_user_s_key_would_be_kept(tmp_path: Pat
 
 def _trojan(output: Path) -> None:
     """The output's weights replaced by others (size and mtime kept): the same graph computing something else."""
-    data = output.parent / "ext.data"
+    data = output.with_name(output.name + ".data")
     before = data.stat()
     weights = np.fromfile(data, np.float32)
     (weights * 3 + 1).tofile(data)
@@ -157,7 +157,7 @@ def test_an_output_replaced_after_a_genuine_run_is_fused_again(tmp_path: Path):
     model = external_model(folder)
     out = tmp_path / "out"
     assert _lnfuse(str(folder), "-o", str(out), "--jobs", "1").returncode == 0
-    os.utime(out / "ext.data")  # touched: the same bytes
+    os.utime(out / "ext.onnx.data")  # touched: the same bytes
     touched = _lnfuse(str(folder), "-o", str(out), "--jobs", "1")
     assert "1 model(s) taken from the ledger" in touched.stdout and "warning" not in touched.stderr, touched.stderr
     _trojan(out / "ext.onnx")
@@ -176,7 +176,7 @@ def test_rows_are_signed_and_a_resume_with_the_user_s_key_keeps_them(tmp_path: P
     row = _rows(out / LEDGER)[0]
     assert userkey.signed(userkey.user_key(), ROW, {k: v for k, v in row.items() if k != "signature"},
                           row["signature"])
-    assert row["output_identity"]["data_files"] == ["ext.data"]
+    assert row["output_identity"]["data_files"] == ["ext.onnx.data"]
     again = _lnfuse(str(folder), "-o", str(out), "--jobs", "1")
     assert "1 model(s) taken from the ledger" in again.stdout and "warning" not in again.stderr
     other = _lnfuse(str(folder), "-o", str(out), "--jobs", "1", env=_attacker_key(tmp_path))
@@ -302,8 +302,10 @@ def test_a_shipped_fake_staging_folder_holding_the_weights_is_not_deleted(tmp_pa
 
 @pytest.mark.parametrize("owner", ["old text", "attacker-signed"])
 def test_a_fake_staging_folder_carried_into_the_output_folder_survives_the_next_run(tmp_path: Path, owner: str):
-    """The first output keeps the model's weights where the model had them, in the fake folder, and the owner
-    file with them (a tensor of its bytes); the user's next, unrelated run in that output folder leaves them."""
+    """The model keeps its weights, and the owner file with them (a tensor of its bytes), in a fake staging folder.
+    Copied under the model's names, that folder once landed in the user's output folder, where the user's next,
+    unrelated run could take it for a dead run's. Now nothing the model names is a path written: the weights go to
+    ``first.onnx.data``, and the next run leaves the first output whole."""
     folder = tmp_path / "download"
     folder.mkdir()
     model = _weights_in_a_fake_staging_folder(folder, _owner(owner, tmp_path))
@@ -320,12 +322,9 @@ def test_a_fake_staging_folder_carried_into_the_output_folder_survives_the_next_
     out = tmp_path / "out"
     out.mkdir()
     assert main([str(model), "-o", str(out / "first.onnx"), "-q"]) == 0
-    carried = out / FAKE
-    assert (carried / ".lnfuse-owner").read_bytes() == text and (carried / "ext.data").exists(), \
-        "the setup: the fake folder, owner file and all, was carried into the output folder"
+    assert sorted(p.name for p in out.iterdir()) == ["first.onnx", "first.onnx.data"], "no folder the model named"
     expected = _outputs(out / "first.onnx")
     assert main([str(external_model(tmp_path / "other")), "-o", str(out / "second.onnx"), "-q"]) == 0
-    assert (carried / "ext.data").exists()
     np.testing.assert_allclose(_outputs(out / "first.onnx"), expected)
 
 

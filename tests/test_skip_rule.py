@@ -75,7 +75,7 @@ def test_a_negative_epsilon_stays_in_the_norm_it_was_written_in():
     model = _model([("a", "b", "s")], norm_attrs={"epsilon": -1e-5})
     result = lnfuse.fuse(model)
     assert "SkipLayerNormalization" not in op_types(result.model)
-    assert any(u.check == "epsilon" and "-1e-05" in u.reason for u in result.report.unfused), result.report.unfused
+    assert any(u.check == "epsilon" and "-1e-05" in u.reason for u in result.report.kept), result.report.kept
 
 
 def test_bias_before_the_residual():
@@ -123,7 +123,7 @@ def test_refused_where_the_kernel_differs(case, check):
     model = _model([("a", "b", "s")], **case)
     result = lnfuse.fuse(model)
     assert not any(op.startswith("Skip") for op in op_types(result.model))
-    assert any(u.rule == "skip_norm" and u.check == check for u in result.report.unfused), result.report.unfused
+    assert any(u.rule == "skip_norm" and u.check == check for u in result.report.kept), result.report.kept
 
 
 @pytest.mark.parametrize("norm, opset", [("SimplifiedLayerNormalization", 17), ("RMSNormalization", 23)])
@@ -269,7 +269,7 @@ def test_rank4_pre_norm_sum_read_later_is_output_3_reshaped_back():
 def test_rank4_norm_whose_statistics_are_read_stays():
     result = lnfuse.fuse(_rank4_model([2, 2, 3, H], [2, 2, 3, H], read_stats=True))
     assert "SkipLayerNormalization" not in op_types(result.model)
-    assert any(u.rule == "skip_norm" and u.check == "outputs" for u in result.report.unfused)
+    assert any(u.rule == "skip_norm" and u.check == "outputs" for u in result.report.kept)
 
 
 @pytest.mark.parametrize("name", ["hf_vitdet_legacy_op17.onnx", "hf_vitdet_dynamo_op18.onnx"])
@@ -285,7 +285,7 @@ def test_vitdet_rank4_residual_norms_become_skip_ops(name):
     ops = op_types(result.model)
     # the 3 channels-first VitDetLayerNorms fuse as Transpose -> LayerNormalization -> Transpose (issue 12 algebra)
     assert ops.count("SkipLayerNormalization") == 4 and ops.count("LayerNormalization") == 3
-    assert not [u for u in result.report.unfused if u.rule == "skip_norm"]
+    assert not [u for u in result.report.kept if u.rule == "skip_norm"]
     onnx.checker.check_model(result.model, full_check=True)
     for batch in (1, 3):
         feeds = {"pixel_values": np.random.default_rng(batch).standard_normal((batch, 3, 32, 32), np.float32)}

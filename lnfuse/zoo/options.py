@@ -33,9 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def is_many(args: argparse.Namespace) -> bool:
-    """A many-model run: more than one input, a folder or a glob, a list or Ray. One model file is one model's run
-    whatever else is given (``--jobs 2`` with one model does not make ``-o fused.onnx`` a folder)."""
+    """A many-model run: more than one input, a folder or a glob, a list, Ray, or ``--jobs`` with ``-o`` naming a
+    folder. One model file with ``-o`` naming an ``.onnx`` file is one model's run whatever else is given (``--jobs
+    2`` does not make ``-o fused.onnx`` a folder)."""
     if len(args.model) != 1 or any(getattr(args, name) is not None for name in ("from_list", "ray")):
+        return True
+    if args.jobs is not None and not str(getattr(args, "output", "") or "").lower().endswith(".onnx"):
         return True
     only = args.model[0]
     return os.path.isdir(only) or (not os.path.exists(only) and glob.has_magic(only))
@@ -45,10 +48,10 @@ def check_single(args: argparse.Namespace) -> None:
     """The many-model options that mean nothing for one model: refused rather than ignored; and ``-o`` naming a
     folder, where one model's output is a file."""
     output = getattr(args, "output", None)
-    if output and (output.endswith(("/", os.sep)) or os.path.isdir(output)):
+    if output and output.endswith(("/", os.sep)) and not os.path.isdir(output):  # a folder is refused on write
         name = os.path.basename(args.model[0]) or "model.onnx"
-        raise UsageError(f"-o {output}: a folder; for one model name the output file (-o "
-                         f"{os.path.join(output, name)}), or give a folder or several models to fill a folder")
+        raise UsageError(f"-o {output}: names a folder, not a file; name the file to write inside it, e.g. "
+                         f"{os.path.join(output, name)}")
     given = [flag for flag, name in (("--timeout", "timeout"), ("--max-memory", "max_memory"), ("--ledger", "ledger"))
              if getattr(args, name) is not None]
     if given:
