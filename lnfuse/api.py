@@ -16,7 +16,9 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse.load import io
-from lnfuse.engine import Options, fuse_model, nodes_of, type_new_values
+from lnfuse.engine import Options, fuse_model
+from lnfuse.index.scopes import count_ops, nodes_of, op_counts
+from lnfuse.index.new_values import type_new_values
 from lnfuse.save import write
 from lnfuse.save.provenance import mark_model
 from lnfuse.errors import InputError, UsageError
@@ -178,7 +180,7 @@ class _Stages:
 def _run(loaded: io.Loaded, options: Options, source: str) -> Report:
     report = Report(source=source, target=options.target, verified=options.verify)
     before = nodes_of(loaded.model)
-    report.ops_before = _count_ops(before)
+    report.ops_before = count_ops(before)
     if loaded.shape_inference_error:
         report.notes.append(f"shape inference failed ({loaded.shape_inference_error}); checks that need shapes "
                             "refuse where shapes are unknown")
@@ -241,7 +243,7 @@ def _quantize(loaded: io.Loaded, report: Report, scheme: str) -> None:
         check = accuracy(float_model, ir.serde.serialize_model(loaded.model))
         report.notes.append(f"quantized {count} embedding block(s) to {scheme}; against the float model on random "
                             f"valid ids: worst output difference {max(check['outputs'].values()):.3g}")
-        report.ops_after = _op_counts(loaded.model)
+        report.ops_after = op_counts(loaded.model)
 
 
 def _note_runtime_ops(model: ir.Model, report: Report,
@@ -276,14 +278,6 @@ def _onnx_defines(op_type: str, opset: int) -> bool:
         return False
 
 
-def _op_counts(model: ir.Model) -> dict[str, int]:
-    return _count_ops(nodes_of(model))
-
-
-def _count_ops(nodes: Iterable[ir.Node]) -> dict[str, int]:
-    return dict(Counter(node.op_type for node in nodes))
-
-
 def _ops_by_graph(model: ir.Model) -> dict[ir.Graph | ir.Function, Counter[tuple[str, str]]]:
     """For the main graph (with its subgraphs) and each function: how many nodes of each (domain, op type), in the
     order they first appear."""
@@ -292,7 +286,7 @@ def _ops_by_graph(model: ir.Model) -> dict[ir.Graph | ir.Function, Counter[tuple
 
 
 def _count_ops_by_type(ops: dict[ir.Graph | ir.Function, Counter[tuple[str, str]]]) -> dict[str, int]:
-    """``_op_counts`` from ``_ops_by_graph``: each op type in the order it first appears."""
+    """``scopes.op_counts`` from ``_ops_by_graph``: each op type in the order it first appears."""
     counts: Counter[str] = Counter()
     for graph_counts in ops.values():
         for (_, op_type), count in graph_counts.items():

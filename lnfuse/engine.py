@@ -12,25 +12,25 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
-import numpy as np
-import onnx
 import onnx_ir as ir
 
 from lnfuse.errors import out_of_memory
 from lnfuse.match import candidates as statistics
 from lnfuse.match.algebra import Cache
 from lnfuse.index.canonical import canonicalize
-from lnfuse.index.constants import is_static, static_value
+from lnfuse.index.constants import is_static
 from lnfuse.index.demand import PendingShapes
 from lnfuse.match.pattern import Match, noop_in_doubt
 from lnfuse.save.provenance import mark_fused
 from lnfuse.match.quantized_norms import rounding_reason
 from lnfuse.report import Candidate, Fused, Refused, Report, Unfused
-from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
-from lnfuse.index.shapes import infer_shapes
+from lnfuse.match.rule import GraphContext, Refusal, Replacement, Rule
 from lnfuse.index.traversal import every_node
+from lnfuse.index.scopes import Scope, all_names, nodes_of, scopes
+from lnfuse.index.new_values import retype_new_values
+from lnfuse.rewrite import apply, cleanup
 from lnfuse.verification.region import Outcome, verify
-from lnfuse.index.ops import is_op, known_op
+from lnfuse.index.ops import known_op
 
 #: match attempts per root node; commuted operands make a few, a pathological graph must not make thousands
 _MAX_ATTEMPTS = 64
@@ -49,13 +49,6 @@ class Options:
     allow_requantization: bool = False
     #: called with (fraction of the pass done, what is running) while the pass runs (the CLI draws a bar)
     progress: Callable[[float, str], None] | None = None
-
-
-@dataclass
-class Scope:
-    graph: ir.Graph | ir.Function
-    path: str
-    opset: int
 
 
 @dataclass
@@ -110,7 +103,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             seeds = None
     before = (nodes if nodes is not None else nodes_of(model)) if seeds is not None else {}
     replaced: dict[ir.Value, str] = {}  # fused outputs, and the name of the value each replaced
-    names = _all_names(model, nodes)
+    names = all_names(model, nodes)
     opsets_used: dict[str, int] = {}
     starved: dict[ir.Node, str] = {}  # the nodes of regions whose verification ran out of memory
     every_scope = list(scopes(model))
@@ -160,7 +153,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
                 opsets_used.update(candidate.replacement.opset_imports)
             refusals.append((rule, found))
             if kept:
-                cleanup(scope.graph, kept)
+                cleanup(scope.graph, [c.replacement for c in kept])
                 swept = True
                 order = None
         if removed and not swept:  # nothing fused here, but what the removals left unread goes too
@@ -217,27 +210,6 @@ def _run_time_inputs(rep: Replacement) -> int:
     made = {v for node in rep.nodes for v in node.outputs}
     read = {v for node in rep.nodes for v in node.inputs if v is not None and v not in made}
     return sum(not is_static(v) for v in read)
-
-
-def scopes(model: ir.Model) -> Iterator[Scope]:
-    """Every graph lnfuse rewrites: the main graph, If/Loop/Scan bodies at any depth, and model-local functions."""
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-    yield from _with_subgraphs(model.graph, "main", opset)
-    for function in model.functions.values():
-        f_opset = function.opset_imports.get("", opset)
-        yield from _with_subgraphs(function, f"function {function.domain}::{function.name}", f_opset)
-
-
-def _with_subgraphs(graph: ir.Graph | ir.Function, path: str, opset: int) -> Iterator[Scope]:
-    yield Scope(graph, path, opset)
-    for node in list(graph):
-        for attr in node.attributes.values():
-            if attr.is_ref():
-                continue
-            subs = [attr.value] if attr.type == ir.AttributeType.GRAPH else \
-                list(attr.value) if attr.type == ir.AttributeType.GRAPHS else []
-            for sub in subs:
-                yield from _with_subgraphs(sub, f"{path}/{node.name or node.op_type}.{attr.name}", opset)
 
 
 @dataclass
@@ -619,239 +591,3 @@ def _record_refusals(scope: Scope, passes: list[tuple[Rule, _Pass]], report: Rep
                 rule=rule.name, graph=scope.path, anchor=", ".join(f"{a.op_type} '{a.name}'" for a in anchors),
                 check=decided.refusal.check, reason=decided.refusal.detail, nodes=[_label(n) for n in decided.nodes],
                 others=_others(decided, attempts)))
-
-
-def apply(graph: ir.Graph | ir.Function, rep: Replacement, position: dict[ir.Node, float],
-          fresh_name: Callable[[str], str]) -> None:
-    """Put the new nodes where the region's last node was, point every reader at the new values, drop the region.
-    ``position`` (graph order at the start of the pass) gets the new nodes, between the region's last node and the
-    node after it. ``fresh_name`` names the nodes made here (a node name the model already uses makes it invalid)."""
-    host = graph.graph if isinstance(graph, ir.Function) else graph
-    new_constants = []
-    for node in rep.nodes:
-        for value in node.inputs:
-            if value is not None and value.producer() is None and value.const_value is not None \
-                    and value.graph is None and value not in new_constants:
-                new_constants.append(value)
-    last = max(rep.region, key=lambda n: position[n])
-    constant_nodes = []
-    for value in new_constants:
-        if isinstance(graph, ir.Function):  # functions have no initializers
-            constant_nodes.append(ir.node("Constant", [], {"value": value.const_value}, outputs=[value],
-                                          name=fresh_name(f"{value.name}/Constant")))
-        else:
-            host.register_initializer(value)
-    inserted = constant_nodes + rep.nodes
-    host.insert_after(last, inserted)
-    for node in rep.nodes:
-        for out in node.outputs:
-            if out.meta.get(ABSENT):
-                out.name = ""  # after insertion: the graph names every unnamed value it receives
-    named_outputs: set[ir.Value] = set()
-    for old, new in rep.outputs.items():
-        if old.is_graph_output():
-            if new in named_outputs:
-                identity = ir.node("Identity", [new], name=fresh_name(f"{old.name}/Identity"))
-                host.insert_after(rep.nodes[-1], [identity])
-                inserted.append(identity)
-                new = identity.outputs[0]
-            name = old.name
-            old.name = f"{name}__replaced"
-            new.name = name
-            named_outputs.add(new)
-        old.replace_all_uses_with(new, replace_graph_outputs=True)
-    host.remove(rep.region, safe=True)
-    for k, node in enumerate(inserted, start=1):
-        position[node] = position[last] + k / (len(inserted) + 1)
-    if any(position.get(reader, -1) < position[last] for new in rep.outputs.values()
-           for reader, _ in new.uses() if reader in position):
-        host.sort()
-        position.update({node: i for i, node in enumerate(host)})
-
-
-def cleanup(graph: ir.Graph | ir.Function, kept: list[_Candidate]) -> None:
-    """Remove Reshapes that now give a fused output the shape it already has, then every node and initializer
-    nothing reads (the shape bookkeeping of the removed regions, Constants of epsilon...). Only graphs lnfuse
-    rewrote are swept, and nothing that computes a graph output is touched."""
-    host = graph.graph if isinstance(graph, ir.Function) else graph
-    for c in kept:
-        for node in c.replacement.nodes:
-            for new in node.outputs:
-                _bypass_identity_reshapes(host, new)
-    for node in reversed(list(host)):
-        if not any(out.uses() or out.is_graph_output() for out in node.outputs):
-            host.remove(node, safe=True)
-    if not isinstance(graph, ir.Function):
-        for name, value in list(host.initializers.items()):
-            if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
-                del host.initializers[name]
-
-
-def _bypass_identity_reshapes(host: ir.Graph, value: ir.Value) -> None:
-    """Reshape chains that bring a fused output back to the shape it already has are the identity."""
-    chain, current = [], value
-    while True:
-        readers = [(r, i) for r, i in current.uses()]
-        if len(readers) != 1 or not is_op(readers[0][0], "Reshape") or readers[0][1] != 0 \
-                or readers[0][0].graph is not host:
-            return
-        chain.append(readers[0][0])
-        current = readers[0][0].outputs[0]
-        if current.is_graph_output() and not _same_static_shape(value, current):
-            return  # the model's output needs that intermediate shape
-        if _same_static_shape(value, current):
-            break
-    if current.is_graph_output():
-        if value.is_graph_output():
-            return
-        name = current.name
-        current.name = f"{name}__replaced"
-        value.name = name
-    current.replace_all_uses_with(value, replace_graph_outputs=True)
-    host.remove(chain, safe=True)
-
-
-def _same_static_shape(a: ir.Value, b: ir.Value) -> bool:
-    return a.shape is not None and b.shape is not None and a.shape.is_static() and b.shape.is_static() \
-        and list(a.shape) == list(b.shape)
-
-
-def _all_names(model: ir.Model, nodes: Iterable[ir.Node] | None = None) -> set[str]:
-    """The names of the model's nodes and values. ``nodes``: every node of the model (``nodes_of``), when the
-    caller has them (else they are walked)."""
-    names = set()
-    graphs = [model.graph, *model.functions.values()]
-    for graph in graphs:
-        for value in graph.inputs:
-            names.add(value.name)
-    for node in nodes if nodes is not None else (node for graph in graphs for node in every_node(graph)):
-        names.add(node.name)
-        names.update(v.name for v in node.outputs)
-        names.update(v.name for v in node.inputs if v is not None)
-    names.update(model.graph.initializers)
-    return names
-
-
-def nodes_of(model: ir.Model) -> dict[ir.Node, None]:
-    """Every node of the model, subgraphs and functions included (what was there before a rewrite), in the order
-    of ``every_node`` over the main graph and then each function."""
-    return dict.fromkeys(node for graph in [model.graph, *model.functions.values()] for node in every_node(graph))
-
-
-def type_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Node]) -> set[str]:
-    """Give every value lnfuse wrote (the outputs of nodes not in ``before``) its dtype and shape, and return their
-    names: the saved model declares them, so that a later pass (decompose, ORT, onnx's inference) sees a fully
-    typed graph. Rules type what they can from the values they replace; the rest is inferred here, node by node
-    with onnx's inference for standard ops, and with ONNX Runtime's symbolic inference for its contrib ops."""
-    names: set[str] = set()
-    for graph in [model.graph, *model.functions.values()]:
-        opsets = {**model.opset_imports, **(graph.opset_imports if isinstance(graph, ir.Function) else {})}
-        new = [n for n in every_node(graph) if n not in before]
-        untyped = []
-        for node in new:
-            if any(_untyped(v) for v in node.outputs) and not _infer_node(node, opsets, model.ir_version):
-                untyped.append(node)
-        if untyped:
-            _infer_contrib(untyped, opsets, model.ir_version)
-        for value in (v for n in new for v in n.outputs):
-            if value.shape is not None:
-                value.shape = _plausible(value.shape)
-        names.update(v.name for n in new for v in n.outputs if v.name and not _untyped(v))
-    return names
-
-
-def retype_new_values(model: ir.Model, before: Mapping[ir.Node, None] | set[ir.Node],
-                      keep: set[ir.Value] = frozenset()) -> None:
-    """Infer again, node by node in graph order, the shapes of the values lnfuse wrote (outputs of nodes not in
-    ``before``), after the values they are computed from got new shapes: a norm fused on onnx's shapes carries
-    them, and a later rule compares it with values the symbolic inference has since renamed. ``keep``: values
-    already given the new shape of the value they replaced (``PendingShapes.resolve``'s aliases), as rules type
-    a fused output. Where inference now says nothing, the shape it had stays (its dims are named apart from the new
-    ones: ``demand._rename_unknown_dims``)."""
-    for graph in [model.graph, *model.functions.values()]:
-        opsets = {**model.opset_imports, **(graph.opset_imports if isinstance(graph, ir.Function) else {})}
-        new = [n for n in every_node(graph) if n not in before]
-        had = {v: v.shape for n in new for v in n.outputs}
-        untyped = []
-        for node in new:
-            for value in node.outputs:
-                if value not in keep:
-                    value.shape = None
-            if not _infer_node(node, opsets, model.ir_version):
-                untyped.append(node)
-        if untyped:
-            _infer_contrib(untyped, opsets, model.ir_version)
-        for value, shape in had.items():
-            # as type_new_values writes them: a size no run can have stays unknown
-            value.shape = shape if value.shape is None else _plausible(value.shape)
-
-
-#: no real tensor has this many elements; a larger static shape comes from a declared dim nothing checks
-_MAX_PLAUSIBLE_ELEMENTS = 1 << 40
-
-
-def _plausible(shape: ir.Shape) -> ir.Shape:
-    """The shape with sizes no run can have left unknown: 0 or a product past ``_MAX_PLAUSIBLE_ELEMENTS``, inferred
-    from a declared input dim (``[batch, 0]``, ``[batch, 2**62]``). Written on lnfuse's values, ONNX Runtime's
-    load-time inference would take them as fact and refuse the model (a Reshape's -1, a product overflow)."""
-    dims = [None if d == 0 else d for d in shape]
-    if math.prod(d for d in dims if isinstance(d, int)) > _MAX_PLAUSIBLE_ELEMENTS:
-        dims = [d if not isinstance(d, int) or i == len(dims) - 1 else None for i, d in enumerate(dims)]
-    return shape if dims == list(shape) else ir.Shape(dims)
-
-
-def _untyped(value: ir.Value) -> bool:
-    return bool(value.name) and (value.type is None or value.shape is None)
-
-
-def _infer_node(node: ir.Node, opsets: dict[str, int], ir_version: int) -> bool:
-    """Type the node's outputs with onnx's own inference for its op; False where onnx has no schema for it."""
-    domain = "" if node.domain == "ai.onnx" else node.domain
-    try:
-        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
-    except onnx.defs.SchemaError:
-        return False
-    known = [v for v in node.inputs if v is not None and v.type is not None]
-    types = {v.name: ir.serde.serialize_value(v).type for v in known}
-    data = {}
-    for v in known:  # small constants (axes, Reshape targets) decide output shapes
-        if v.shape is not None and v.shape.is_static() and math.prod(v.shape.numpy()) <= 64 \
-                and (array := static_value(v)) is not None:
-            data[v.name] = onnx.numpy_helper.from_array(np.asarray(array), v.name)
-    try:
-        inferred = onnx.shape_inference.infer_node_outputs(
-            schema, ir.serde.serialize_node(node), types, data,
-            opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()], ir_version=ir_version)
-    except Exception:  # noqa: BLE001 - onnx raises several types; the value stays untyped and the test says so
-        return True
-    for value in node.outputs:
-        _set_type(value, inferred.get(value.name))
-    return True
-
-
-def _infer_contrib(nodes: list[ir.Node], opsets: dict[str, int], ir_version: int) -> None:
-    """ONNX Runtime's symbolic inference on a small graph of just these nodes, their inputs as typed inputs."""
-    produced = {v for n in nodes for v in n.outputs}
-    inputs = {v.name: v for n in nodes for v in n.inputs if v is not None and v not in produced}
-    if any(v.type is None or v.shape is None for v in inputs.values()):
-        return
-    graph = onnx.helper.make_graph(
-        [ir.serde.serialize_node(n) for n in nodes], "lnfuse_types",
-        [ir.serde.serialize_value(v) for v in inputs.values()],
-        [onnx.helper.make_value_info(v.name, onnx.TypeProto()) for v in produced if v.name])
-    probe = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()])
-    probe.ir_version = ir_version
-    inferred, _ = infer_shapes(probe)
-    found = {v.name: v.type for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
-    for value in produced:
-        if _untyped(value):
-            _set_type(value, found.get(value.name))
-
-
-def _set_type(value: ir.Value, type_proto: onnx.TypeProto | None) -> None:
-    if type_proto is None or not type_proto.tensor_type.elem_type:
-        return
-    if value.type is None:
-        value.type = ir.serde.deserialize_type_proto_for_type(type_proto)
-    if value.shape is None and type_proto.tensor_type.HasField("shape"):
-        value.shape = ir.serde.deserialize_type_proto_for_shape(type_proto)

@@ -18,7 +18,7 @@ import onnx_ir as ir
 from lnfuse.index.constants import is_static, static_value
 from lnfuse.match.algebra import transpose_perm, view_axes
 from lnfuse.match.pattern import Either, Match, Mono, Op, Pattern, Terms, Var, maybe_cast, mono
-from lnfuse.match.rule import GraphContext, Refusal, Replacement
+from lnfuse.match.rule import GraphContext, Refusal, Replacement, new_nodes
 from lnfuse.index.ops import is_op, onnx_op
 from ._common import (FLOATS, cast_target, channel_param, check_laid_out, dtype_of, is_widening, node_name,
                       param_as, rank_of, read_outside, readers_outside, split_views)
@@ -355,23 +355,6 @@ def finish(op_type: str, domain: str, outputs: dict[ir.Value, ir.Value], region:
     """The replacement for ``outputs``: its nodes are every new (not yet placed) node they are computed from."""
     return Replacement(op_type=op_type, domain=domain, nodes=new_nodes(outputs.values()), outputs=outputs,
                        region=region, attributes=attributes, opset_imports=opsets or {})
-
-
-def new_nodes(values) -> list[ir.Node]:
-    order: list[ir.Node] = []
-
-    def visit(node: ir.Node) -> None:
-        if node in order:
-            return
-        for value in node.inputs:
-            if value is not None and value.producer() is not None and value.producer().graph is None:
-                visit(value.producer())
-        order.append(node)
-
-    for value in values:
-        if value.producer() is not None and value.producer().graph is None:
-            visit(value.producer())
-    return order
 
 
 # ---- layouts: norms the graph computes in a transposed layout ---------------------------------------------------

@@ -163,7 +163,7 @@ def test_symbolic_shapes_still_prove_residuals():
 
 def test_norms_fused_on_onnx_shapes_are_retyped_for_later_rules():
     """In BERT the norms fuse on onnx's shapes; the embedding rule then refuses on them and ORT's inference runs.
-    The fused norms' outputs are typed again from its shapes (``engine.retype_new_values``): the residual rule,
+    The fused norms' outputs are typed again from its shapes (``new_values.retype_new_values``): the residual rule,
     after it, proves their addends the same shape with the new names."""
     path = REPO / "sample_models" / "bert_tiny_legacy_op14.onnx"
     result = lnfuse.fuse(str(path))

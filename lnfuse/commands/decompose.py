@@ -19,11 +19,13 @@ import onnx_ir as ir
 from lnfuse.load import io
 from lnfuse.save import write
 from lnfuse.index.constants import static_value
-from lnfuse.engine import apply, cleanup, nodes_of, scopes, type_new_values, _all_names
+from lnfuse.index.scopes import all_names, nodes_of, op_counts, scopes
+from lnfuse.index.new_values import type_new_values
+from lnfuse.rewrite import apply, cleanup
 from lnfuse.match.pattern import attr_value
 from lnfuse.save.provenance import mark_decomposed
 from lnfuse.report import DECOMPOSE, Fused, Report, Unfused
-from lnfuse.match.rule import GraphContext, Refusal, Replacement
+from lnfuse.match.rule import GraphContext, Refusal, Replacement, new_nodes
 from lnfuse.rules import embed_norm, layer_norm, rms_norm, skip_norm
 from lnfuse.verification.region import verify
 from lnfuse.index.ops import is_op
@@ -55,13 +57,13 @@ _INVERSES: dict[tuple[str, str], _Inverse] = {
 
 def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
     """Replace every fused norm op by primitive ONNX ops; returns a ``FuseResult`` whose report lists them."""
-    from lnfuse.api import FuseResult, _op_counts
+    from lnfuse.api import FuseResult
 
     start = time.perf_counter()
     loaded = io.load(model)
     report = Report(source=str(loaded.path or "<model>"), target="onnx", verified=verify_rewrites)
-    report.ops_before = _op_counts(loaded.model)
-    names = _all_names(loaded.model)
+    report.ops_before = op_counts(loaded.model)
+    names = all_names(loaded.model)
     before = nodes_of(loaded.model)
     for scope in scopes(loaded.model):
         ctx = GraphContext(scope.graph, scope.opset, "onnx", scope.path, names)
@@ -93,7 +95,7 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
     if "com.microsoft" in loaded.model.opset_imports and not any(
             n.domain == "com.microsoft" for n in ir.traversal.RecursiveGraphIterator(loaded.model.graph)):
         del loaded.model.opset_imports["com.microsoft"]
-    report.ops_after = _op_counts(loaded.model)
+    report.ops_after = op_counts(loaded.model)
     write.strip_inferred_value_info(loaded.model, loaded.declared_value_info | type_new_values(loaded.model, before))
     mark_decomposed(loaded.model, report, verify_rewrites)
     report.seconds = time.perf_counter() - start
@@ -153,7 +155,6 @@ _FLOAT_TYPES = {t.value for t in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.Dat
 
 
 def _new_first(helpers: list[ir.Node], nodes: list[ir.Node]) -> list[ir.Node]:
-    from lnfuse.rules._norm import new_nodes
     return new_nodes([h.outputs[0] for h in helpers]) + nodes
 
 

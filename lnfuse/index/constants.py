@@ -169,7 +169,7 @@ def _compute(value: ir.Value, done: dict) -> np.ndarray:
     # sized before numpy allocates: the inputs are small, the output may be gigabytes
     require(output_elements(op, lambda name, default: _attr(node, name, default), args),
             f"{op} '{node.name}'")
-    return _FOLD[op](node, args)
+    return FOLD[op](node, args)
 
 
 def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -243,7 +243,8 @@ def _reduce_prod(node, args):
     return np.asarray(result, dtype=data.dtype)
 
 
-_FOLD = {
+#: each foldable op computed from its inputs' values (``library_budget`` folds small protobuf constants with it too)
+FOLD = {
     "Cast": _cast,
     "Identity": lambda n, a: a[0],
     "Reshape": _reshape,

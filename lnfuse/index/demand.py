@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import onnx
 import onnx_ir as ir
 
-from lnfuse.index.shapes import (OnnxVerdict, _Claims, _infer_with_claims, _symbolic, _take_claims,
+from lnfuse.index.shapes import (Claims, OnnxVerdict, infer_with_claims, ort_symbolic, take_claims,
                                  infer_function_types)
 from lnfuse.index.traversal import every_node, proto_bodies
 from lnfuse.index.ops import is_op
@@ -66,8 +66,8 @@ def infer_shapes_deferred(proto: onnx.ModelProto, check_types: bool = False
     unknown, the third result holds what the symbolic inference needs to run later; None when onnx's was complete.
     ``proto`` gives up its value_info, and is kept (without it) by the pending inference. ``check_types``: as for
     ``shapes.infer_shapes``."""
-    claims, verdict = _take_claims(proto.graph), OnnxVerdict()
-    inferred, error, complete = _infer_with_claims(proto, claims, None, check_types, verdict)
+    claims, verdict = take_claims(proto.graph), OnnxVerdict()
+    inferred, error, complete = infer_with_claims(proto, claims, None, check_types, verdict)
     return inferred, error, None if complete else PendingShapes(proto, claims, verdict)
 
 
@@ -86,7 +86,7 @@ class PendingShapes:
     value_info) and its declared claims, kept until the engine knows which values candidates need."""
 
     skeleton: onnx.ModelProto | None
-    claims: _Claims
+    claims: Claims
     #: what onnx's inference of the skeleton found at load (it need not run again on it)
     verdict: OnnxVerdict
     #: times ORT's symbolic inference was started on this model (what tests and benchmarks can observe)
@@ -120,8 +120,8 @@ class PendingShapes:
             if plain:
                 label += f" (its {resizes} Resize ops without sympy.simplify)"
             self.symbolic_runs += 1
-            inferred = _within(budget, lambda check, p=proto, c=claims, v=verdict: _infer_with_claims(
-                p, c, lambda q: _symbolic(q, check, plain), verdict=v)[0])
+            inferred = _within(budget, lambda check, p=proto, c=claims, v=verdict: infer_with_claims(
+                p, c, lambda q: ort_symbolic(q, check, plain), verdict=v)[0])
             if inferred is None:
                 notes.append(f"shapes: ONNX Runtime's symbolic inference of {label} stopped at its budget "
                              f"({budget:.2f} CPU-s for {nodes} nodes)")

@@ -19,7 +19,7 @@ import onnx
 import onnx_ir as ir
 
 from lnfuse.index.budget import MAX_ELEMENTS, SIZE_PRODUCING, SIZED, elements, output_elements, stand_in
-from lnfuse.index.constants import _FOLD
+from lnfuse.index.constants import FOLD
 from lnfuse.index.ops import is_op, onnx_op
 
 #: values held with their numbers (shapes, axes, epsilon) up to this many elements; larger known values are only
@@ -228,7 +228,7 @@ def _count(op: str, node: onnx.NodeProto, args: list, exact: bool) -> int | None
 
 def _fold(walk: _Walk, node: onnx.NodeProto, args: list, count: int, exact: bool) -> None:
     out = node.output[0]
-    fold = _FOLD.get(onnx_op(node)) or _EXTRA.get(onnx_op(node))
+    fold = FOLD.get(onnx_op(node)) or _EXTRA.get(onnx_op(node))
     if exact and count <= _SMALL and fold is not None:
         try:
             walk.known[out] = np.asarray(fold(_Node(node), args))

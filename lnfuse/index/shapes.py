@@ -51,7 +51,7 @@ def infer_shapes(proto: onnx.ModelProto, check_types: bool = False) -> tuple[onn
     initializers, and a claim is used only where inference says nothing (see ``_merge_claims``). ``proto`` gives
     up its value_info to this function.
     """
-    inferred, error, _ = _infer_with_claims(proto, _take_claims(proto.graph), _symbolic, check_types)
+    inferred, error, _ = infer_with_claims(proto, take_claims(proto.graph), ort_symbolic, check_types)
     return inferred, error
 
 
@@ -67,9 +67,9 @@ class OnnxVerdict:
     hid: bool = True
 
 
-def _infer_with_claims(proto: onnx.ModelProto, claims: _Claims, symbolic: _Symbolic | None,
-                       check_types: bool = False, verdict: OnnxVerdict | None = None
-                       ) -> tuple[onnx.ModelProto, str | None, bool]:
+def infer_with_claims(proto: onnx.ModelProto, claims: Claims, symbolic: _Symbolic | None,
+                      check_types: bool = False, verdict: OnnxVerdict | None = None
+                      ) -> tuple[onnx.ModelProto, str | None, bool]:
     """Inference (``_infer``) with the claims put back where it said nothing; and whether onnx's was complete.
     ``check_types``: raise ``TypesDisagree`` where types do not line up (``_plain``, ``_check_claimed_types``).
     ``verdict``: filled in by a first inference of ``proto``, read by the next."""
@@ -142,10 +142,10 @@ def _infer(proto: onnx.ModelProto, symbolic: _Symbolic | None, check_types: bool
 
 
 #: what a graph declares about its values: value_info by name, and its outputs' types
-_Claims = tuple[dict[str, onnx.ValueInfoProto], list[onnx.TypeProto], list["_Claims"]]
+Claims = tuple[dict[str, onnx.ValueInfoProto], list[onnx.TypeProto], list["Claims"]]
 
 
-def _take_claims(graph: onnx.GraphProto) -> _Claims:
+def take_claims(graph: onnx.GraphProto) -> Claims:
     """Remove the graph's value_info and output shapes (and its subgraphs'), and return them. Output dtypes stay:
     a graph output's dtype is part of the model's interface, and inference checks it against what is computed."""
     declared = {v.name: v for v in graph.value_info}
@@ -154,17 +154,17 @@ def _take_claims(graph: onnx.GraphProto) -> _Claims:
     for output in graph.output:
         outputs.append(onnx.TypeProto.FromString(output.type.SerializeToString()))
         output.type.tensor_type.ClearField("shape")
-    subgraphs = [_take_claims(sub) for sub in _subgraphs(graph)]
+    subgraphs = [take_claims(sub) for sub in _subgraphs(graph)]
     return declared, outputs, subgraphs
 
 
-def _check_claimed_types(graph: onnx.GraphProto, claims: _Claims,
+def _check_claimed_types(graph: onnx.GraphProto, claims: Claims,
                          outer: dict[str, onnx.TypeProto] | None = None) -> None:
     """``TypesDisagree`` for a declared value_info that ONNX Runtime refuses: one whose type is not the kind of value
     inferred for it (another dtype; a sequence, optional or sparse value for a tensor), a tensor declared without an
     element type, or, in a body, a value of an enclosing graph (``outer``: their types) declared with another dtype,
     rank or number of elements along a dim. Otherwise shapes are claims ORT ignores. Graph outputs keep their
-    declared dtypes during inference (``_take_claims``), which checks them itself."""
+    declared dtypes during inference (``take_claims``), which checks them itself."""
     declared, _, subgraphs = claims
     inferred = {v.name: v.type for v in graph.value_info}
     for name, claim in declared.items():
@@ -252,7 +252,7 @@ def _describe(type_proto: onnx.TypeProto) -> str:
     return which or "untyped"
 
 
-def _merge_claims(graph: onnx.GraphProto, claims: _Claims) -> bool:
+def _merge_claims(graph: onnx.GraphProto, claims: Claims) -> bool:
     """Put back what inference left unknown, and nothing it contradicts; True if a claim filled a gap.
 
     Per value: no inferred type takes the declared one whole; a declared dtype or rank that differs is dropped;
@@ -388,8 +388,8 @@ def _long_vector(plain: onnx.ModelProto | None) -> bool:
     return False
 
 
-def _symbolic(proto: onnx.ModelProto, check: Callable[[], None] | None = None,
-              plain_resize: bool = False) -> onnx.ModelProto | None:
+def ort_symbolic(proto: onnx.ModelProto, check: Callable[[], None] | None = None,
+                 plain_resize: bool = False) -> onnx.ModelProto | None:
     """ORT's symbolic inference, keeping partial results. Its public entry point writes a file into the working
     directory when a node cannot be inferred, so the loop it runs is run here instead. ``check`` is called before
     each node (a deadline raises there). ``plain_resize``: a resized dim gets a fresh name instead of the

@@ -9,13 +9,13 @@ the input file, so they are neither decoded nor held in memory.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir import _core
 
 from lnfuse.load import wire
 from lnfuse.errors import InputError
@@ -51,60 +51,52 @@ class FileWeights:
                 and list(header.dims) == list(tensor.dims))
 
 
-class InlineWeight(_core.TensorBase):
-    """An inline weight of a model file, read from the file only when its values are asked for. The model file is
-    opened directly (it is the file the user named, not a path from inside the model), and the bytes are the
-    tensor's raw_data, decoded as onnx_ir decodes a TensorProto."""
+class InlineWeight(ir.LazyTensor):
+    """An inline weight of a model file, read from the file only when its values are asked for (then kept). The
+    model file is opened directly (it is the file the user named, not a path from inside the model), and the bytes
+    are the tensor's raw_data, decoded as onnx_ir decodes a TensorProto. onnx_ir's public ``LazyTensor`` does the
+    deferring (its ``TensorBase`` is private)."""
 
-    __slots__ = ("_dtype", "_shape", "stored", "file", "_loaded")
+    __slots__ = ("stored", "file")
 
     def __init__(self, like: ir.TensorProtocol, stored: wire.PlainTensor, file: wire.FileIdentity):
-        super().__init__(like.name, like.doc_string, dict(like.metadata_props) or None)
-        self._dtype, self._shape = like.dtype, like.shape
+        # the reader holds the weight's facts, not the weight: no reference cycle keeps a dropped weight alive
+        # while the API pauses the cycle collector
+        read = functools.partial(_read, stored, file, like.name, like.dtype, like.shape)
+        super().__init__(read, like.dtype, like.shape, cache=True, name=like.name, doc_string=like.doc_string,
+                         metadata_props=dict(like.metadata_props) or None)
         self.stored, self.file = stored, file
-        self._loaded: ir.TensorProtocol | None = None
-
-    @property
-    def dtype(self) -> ir.DataType:
-        return self._dtype
-
-    @property
-    def shape(self) -> ir.Shape:
-        return self._shape
 
     @property
     def loaded(self) -> bool:
         """Whether the values were read from the file (a rule needed them)."""
-        return self._loaded is not None
+        return self._tensor is not None
 
     def check_source(self) -> None:
         """Raise ``InputError`` if the file this weight is read from is no longer the file lnfuse read."""
-        if not self.file.unchanged():
-            raise InputError(f"{self.file.path}: the file changed after lnfuse read it, and lnfuse reads weights "
-                             "from it as they are needed; run lnfuse again on the new file")
-
-    def _tensor(self) -> ir.TensorProtocol:
-        if self._loaded is None:
-            self.check_source()
-            offset, length = self.stored.data
-            with open(self.file.path, "rb") as file:
-                file.seek(offset)
-                data = file.read(length)
-            proto = onnx.TensorProto(name=self.name or "", data_type=self._dtype.value,
-                                     dims=self._shape.numpy(), raw_data=data)
-            self._loaded = ir.serde.TensorProtoTensor(proto)
-        return self._loaded
-
-    def numpy(self) -> np.ndarray:
-        return self._tensor().numpy()
+        _check_source(self.file)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         array = self.numpy()
         return array if dtype is None else array.astype(dtype)
 
-    def tobytes(self) -> bytes:
-        """The stored bytes (packed for 4-bit types), as a TensorProto's raw_data holds them."""
-        return self._tensor().tobytes()
+
+def _check_source(file: wire.FileIdentity) -> None:
+    if not file.unchanged():
+        raise InputError(f"{file.path}: the file changed after lnfuse read it, and lnfuse reads weights "
+                         "from it as they are needed; run lnfuse again on the new file")
+
+
+def _read(stored: wire.PlainTensor, file: wire.FileIdentity, name: str | None, dtype: ir.DataType,
+          shape: ir.Shape) -> ir.TensorProtocol:
+    """An inline weight's values, read from its file (which must still be the file lnfuse read)."""
+    _check_source(file)
+    offset, length = stored.data
+    with open(file.path, "rb") as opened:
+        opened.seek(offset)
+        data = opened.read(length)
+    proto = onnx.TensorProto(name=name or "", data_type=dtype.value, dims=shape.numpy(), raw_data=data)
+    return ir.serde.TensorProtoTensor(proto)
 
 
 @dataclass(frozen=True)

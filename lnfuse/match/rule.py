@@ -55,6 +55,25 @@ class Replacement:
     notes: list[str] = field(default_factory=list)
 
 
+def new_nodes(values: Iterable[ir.Value]) -> list[ir.Node]:
+    """The new nodes (built, not yet in a graph) that ``values`` are computed from, each after those it reads: a
+    ``Replacement``'s ``nodes``. Shared by the rules and decompose."""
+    order: list[ir.Node] = []
+
+    def visit(node: ir.Node) -> None:
+        if node in order:
+            return
+        for value in node.inputs:
+            if value is not None and value.producer() is not None and value.producer().graph is None:
+                visit(value.producer())
+        order.append(node)
+
+    for value in values:
+        if value.producer() is not None and value.producer().graph is None:
+            visit(value.producer())
+    return order
+
+
 class GraphContext:
     """What a rule may know about the graph it rewrites: its opset, the target, shapes, and fresh names."""
 

@@ -7,7 +7,7 @@ import os
 
 from lnfuse.load import io
 from lnfuse.save import write
-from lnfuse.engine import scopes
+from lnfuse.index.scopes import scopes
 from lnfuse.save.provenance import mark_candidates
 from lnfuse.report import Report
 
