@@ -64,3 +64,15 @@ def test_usage_problems_are_exit_2_with_a_hint(tmp_path: Path):
         proc = _lnfuse(*args, cwd=tmp_path)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
         assert "error:" in proc.stderr.strip().splitlines()[-1], (args, proc.stderr)
+
+
+def test_ray_with_an_address_where_no_cluster_runs_is_a_usage_error(tmp_path: Path):
+    """``--ray auto`` with no cluster used to end as exit 3 "internal error ... please report it"."""
+    ray = pytest.importorskip("ray")
+    if getattr(ray, "init", None) is None:
+        pytest.skip("ray is not installed")
+    models = tmp_path / "models"
+    models.mkdir()
+    _model("fused", models)
+    proc = _lnfuse(models, "-o", tmp_path / "out", "--ray", "127.0.0.1:1")
+    assert proc.returncode == 2 and "no Ray cluster answers there" in proc.stderr, proc.stderr
