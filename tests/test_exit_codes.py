@@ -74,5 +74,5 @@ def test_ray_with_an_address_where_no_cluster_runs_is_a_usage_error(tmp_path: Pa
     models = tmp_path / "models"
     models.mkdir()
     _model("fused", models)
-    proc = _lnfuse(models, "-o", tmp_path / "out", "--ray", "127.0.0.1:1")
+    proc = _lnfuse(models, "-o", tmp_path / "out", "--ray", "auto")
     assert proc.returncode == 2 and "no Ray cluster answers there" in proc.stderr, proc.stderr
