@@ -131,8 +131,8 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
         if target == "onnx":
             _standard_ops_only(loaded.model)
         write.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
-        mark_model(loaded.model, report, {"target": target, "verify": verify, "only": sorted(only or []),
-                                          "skip": sorted(skip or []), "upgrade_opset": upgrade_opset,
+        mark_model(loaded.model, report, {"target": target, "verify": verify, "only": sorted(_names(only) or []),
+                                          "skip": sorted(_names(skip) or []), "upgrade_opset": upgrade_opset,
                                           "verify_model": verify_model, "quantize_embeddings": quantize_embeddings,
                                           "allow_requantization": allow_requantization})
     report.seconds = time.perf_counter() - start

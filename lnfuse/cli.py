@@ -124,7 +124,13 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The command's exit code; what it prints goes through the printer to a reader that may leave (``--help |
+    head -1``)."""
+    with terminal.reader_may_leave():
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "fuse"
     if command == "fuse" and argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         terminal.say_block(__doc__.strip())  # shown as it is: plain text, no markup
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                      "or 23); add --target onnx, or drop it: --target ort fuses at any opset")
     from lnfuse import interrupts
     try:
-        with interrupts.as_keyboard_interrupt(), terminal.reader_may_leave(), terminal.library_messages():
+        with interrupts.as_keyboard_interrupt(), terminal.library_messages():
             if command == "fuse" and zoo_options.is_many(args):
                 from lnfuse.zoo.command import run as run_many
                 return run_many(args)

@@ -100,7 +100,8 @@ def status(text: str = "") -> None:
 def is_terminal(err: bool = False) -> bool:
     """Whether stdout (``err``: stderr) is a terminal that moves its cursor: progress bars only there (not with
     ``TERM=dumb``, which draws ``\r`` and clear-line codes as text)."""
-    return _stream(err).isatty() and os.environ.get("TERM") != "dumb"
+    stream = _stream(err)
+    return stream is not None and stream.isatty() and os.environ.get("TERM") != "dumb"
 
 
 def colour(err: bool = False) -> bool:
@@ -117,8 +118,9 @@ def is_stderr(stream: object) -> bool:
 def flush() -> None:
     """Flush stdout and stderr, as the program ends."""
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
     except OSError:  # a closed pipe: what was printed is lost either way; the exit code still says how it went
         pass
 
@@ -130,6 +132,8 @@ def _stream(err: bool) -> TextIO:
 
 def _write(text: str, err: bool) -> None:
     stream = _stream(err)
+    if stream is None:  # started with the stream closed (``2>&-``): nothing can be shown, and nothing fails
+        return
     try:
         stream.write(text)
     except UnicodeEncodeError:  # a stream that cannot show every printable character (PYTHONIOENCODING=ascii)
@@ -165,6 +169,8 @@ class _ReaderMayLeave(io.TextIOBase):
 
 def reader_may_leave() -> contextlib.AbstractContextManager:
     """stdout, for the command's run, that a reader who has gone does not turn into an error."""
+    if sys.stdout is None:  # started with stdout closed: ``_write`` shows nothing
+        return contextlib.nullcontext()
     return contextlib.redirect_stdout(_ReaderMayLeave(sys.stdout))
 
 

@@ -125,3 +125,81 @@ def test_a_many_model_run_ends_without_a_workers_traceback(tmp_path: Path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert os.path.isfile(tmp_path / f"out{i}" / "m.onnx")
     onnx.checker.check_model(str(tmp_path / "out0" / "m.onnx"), full_check=True)
+
+
+# -- the review of round 7's fixes ---------------------------------------------------------------------------------
+
+def test_json_nested_past_the_parser_in_a_download_is_no_record(tmp_path: Path):
+    """A fake owner file, a model's ``lnfuse.fused`` metadata and a shipped ledger row of nested brackets: each is
+    no record (RecursionError ended the run as exit 3)."""
+    folder = tmp_path / "dl"
+    model = layer_norm_chain(folder / "m.onnx", 2, hidden=64)
+    fake = folder / ".0123456789ab.lnfuse-tmp"
+    fake.mkdir()
+    (fake / ".lnfuse-owner").write_text("[" * 3000)
+    proto = onnx.load(model)
+    proto.metadata_props.add(key="lnfuse.fused", value="[" * 100_000)
+    onnx.save(proto, model)
+    proc = _lnfuse(model, "-o", folder / "fused.onnx")
+    assert proc.returncode == 0 and fake.is_dir(), proc.stderr
+    (folder / "lnfuse-ledger.jsonl").write_text("[" * 985 + "]" * 985 + "\n" + '{"a":' * 900 + "1" + "}" * 900 + "\n")
+    proc = _lnfuse(folder, "-o", folder, "--in-place", "--jobs", "1")
+    assert proc.returncode == 0 and "not signed" in proc.stderr, proc.stderr
+
+
+def test_a_report_below_the_models_folder_never_replaces_a_models_data(tmp_path: Path):
+    """``--report models/reports``: m's report ``reports/m.onnx.json`` is where n keeps its weights."""
+    models = tmp_path / "models"
+    layer_norm_chain(models / "m.onnx", 2, hidden=64)
+    (models / "reports").mkdir()
+    external_model(models, "n.onnx", "reports/m.onnx.json")
+    before = _hashes(models)
+    _one_line(_lnfuse(models, "-o", tmp_path / "out", "--report", models / "reports", "--jobs", "1"),
+              "m.onnx.json", "n.onnx reads")
+    assert _hashes(models) == before
+
+
+def test_options_and_paths_that_used_to_end_as_internal_errors(tmp_path: Path):
+    layer_norm_chain(tmp_path / "zoo" / "m.onnx", 2, hidden=64)
+    (tmp_path / "afile").write_bytes(b"x")
+    for args in (["--timeout", "inf"], ["--timeout", "1e300"], ["--max-memory", "9" * 400],
+                 ["--max-memory", "99999999999999999999T"]):
+        proc = _lnfuse(tmp_path / "zoo", "-o", tmp_path / "out", "--jobs", "1", *args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
+    _one_line(_lnfuse(tmp_path / "zoo", "-o", tmp_path / "afile" / "out", "--jobs", "1"), "cannot make this folder")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "ledger.jsonl").mkdir()  # a ledger path lnfuse cannot open for writing
+    proc = _lnfuse(tmp_path / "zoo", "-o", tmp_path / "out2", "--jobs", "1", "--ledger", tmp_path / "ro" / "ledger.jsonl")
+    assert proc.returncode == 2 and not (tmp_path / "out2" / "m.onnx").exists(), proc.stderr
+
+
+def test_a_glob_never_follows_a_link_out_of_its_folder(tmp_path: Path):
+    """``'dl/*.onnx'`` with ``dl/evil.onnx -> ../private/secret.onnx``: as with the folder given whole, the link is
+    not an input; a pattern of thousands of components is a usage error."""
+    layer_norm_chain(tmp_path / "dl" / "ok.onnx", 2, hidden=64)
+    layer_norm_chain(tmp_path / "private" / "secret.onnx", 2, hidden=64)
+    (tmp_path / "dl" / "evil.onnx").symlink_to("../private/secret.onnx")
+    proc = _lnfuse(str(tmp_path / "dl") + "/*.onnx", "-o", tmp_path / "out", "--jobs", "1", "--json")
+    assert [row["model"] for row in json.loads(proc.stdout)["models"]] == ["ok.onnx"], proc.stdout
+    proc = _lnfuse("*/" * 1100 + "x.onnx", "y.onnx", "-o", tmp_path / "out2")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_reader_that_leaves_and_closed_streams_change_nothing(tmp_path: Path):
+    layer_norm_chain(tmp_path / "m.onnx", 2, hidden=64)
+    for command in ("lnfuse --help | head -1", "lnfuse check --help >&-", "lnfuse nothing.onnx -o o.onnx 2>&-",
+                    "lnfuse m.onnx -o fused.onnx -v | head -1"):
+        proc = subprocess.run(["bash", "-o", "pipefail", "-c", command.replace(
+            "lnfuse", f"{sys.executable} -m lnfuse.cli")], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        expected = 2 if "nothing.onnx" in command else 0
+        assert proc.returncode == expected and "Traceback" not in proc.stderr, (command, proc.stderr)
+    assert (tmp_path / "fused.onnx").is_file()
+
+
+def test_the_options_recorded_in_the_model_are_the_rule_names(tmp_path: Path):
+    import lnfuse
+
+    model = layer_norm_chain(tmp_path / "m.onnx", 2, hidden=64)
+    result = lnfuse.fuse(str(model), only="layer_norm")
+    options = json.loads({p.key: p.value for p in result.model.metadata_props}["lnfuse.options"])
+    assert options["only"] == ["layer_norm"]

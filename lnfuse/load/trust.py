@@ -8,6 +8,7 @@ device and inode, not by name).
 from __future__ import annotations
 
 import math
+import json
 import os
 import stat
 from pathlib import Path
@@ -142,3 +143,14 @@ def check_no_overwrite(reads: dict[tuple[int, int], Path], writes: list[Path],
             raise OutputError(f"{path}: lnfuse would write it twice (also as {str(seen[key])!r}); choose other "
                               "paths")
         seen[key] = path
+
+
+def untrusted_json(text: str | bytes | None) -> object:
+    """JSON that came with a download (an owner file, a ledger row, a model's metadata): None for anything that is
+    not JSON, a structure nested too deep for the parser included (a few kilobytes of ``[`` overflow it)."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None

@@ -100,6 +100,8 @@ def _copy_span(span: _Span, out, at: int) -> None:
         for start, end in data_runs(fd, span.end, span.start):
             out.seek(at + start - span.start)
             copy_range(source, out, start, end - start)
+        if os.fstat(fd).st_size < span.end:  # a hole read past a new end is no hole: the file got shorter
+            raise _shorter()
 
 
 def _copy_nonzero(fd: int, out, span: _Span, at: int) -> None:

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import onnx_ir as ir
 
+from lnfuse.load.trust import untrusted_json
 from lnfuse.report import Fused, Report
 from lnfuse.version import lnfuse_version
 
@@ -51,10 +52,7 @@ def mark_fused(new_nodes: Sequence[ir.Node], region: Sequence[ir.Node], record: 
 def _stands_for(node: ir.Node) -> list[str]:
     """The input nodes a node stands for: those lnfuse recorded on it, else itself. The input is untrusted, so a
     record that is not a JSON list of names counts as no record."""
-    try:
-        earlier = json.loads(node.metadata_props.get(REPLACED, "null"))
-    except ValueError:
-        earlier = None
+    earlier = untrusted_json(node.metadata_props.get(REPLACED))
     if isinstance(earlier, list) and earlier and all(isinstance(name, str) for name in earlier):
         return earlier
     return [node.name or f"<unnamed {node.op_type}>"]
@@ -75,10 +73,7 @@ def mark_model(model: ir.Model, report: Report, options: dict) -> None:
 
 def _counts(text: str | None) -> dict[str, int]:
     """An earlier run's fused op counts, if the model's metadata holds them as lnfuse writes them."""
-    try:
-        counts = json.loads(text) if text else {}
-    except ValueError:
-        return {}
+    counts = untrusted_json(text)
     if not isinstance(counts, dict):
         return {}
     return {op: n for op, n in counts.items() if isinstance(op, str) and isinstance(n, int) and n > 0}

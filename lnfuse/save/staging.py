@@ -55,10 +55,15 @@ class Staging:
             secret = _key()
             if secret is not None:
                 remove_stale(folder, secret, self._reads)
-            temp = folder / f".{secrets.token_hex(6)}.lnfuse-tmp"
-            # known before it exists, so that a Ctrl-C at any point still has it removed by close()
-            self._areas[key] = (folder, temp, None)
-            os.mkdir(temp, 0o700)
+            while True:
+                temp = folder / f".{secrets.token_hex(6)}.lnfuse-tmp"
+                # known before it exists, so that a Ctrl-C at any point still has it removed by close()
+                self._areas[key] = (folder, temp, None)
+                try:
+                    os.mkdir(temp, 0o700)
+                    break
+                except FileExistsError:  # a folder of that name is another's: never this run's to remove
+                    del self._areas[key]
             fd = os.open(temp / _OWNER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             self._areas[key] = (folder, temp, fd)
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -161,10 +166,7 @@ def _signed_record(fd: int, key: bytes) -> dict | None:
     text = os.read(fd, _OWNER_MAX + 1)
     if len(text) > _OWNER_MAX:
         return None
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return None
+    record = trust.untrusted_json(text)
     if not isinstance(record, dict):
         return None
     signature = record.pop("signature", None)

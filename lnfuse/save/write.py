@@ -26,7 +26,7 @@ from lnfuse.save.staging import Staging
 
 def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:
     """Drop the shapes lnfuse inferred for its own use, so the output declares what the input declared."""
-    # the nodes of the main graph and its bodies in one walk, and of each function (``_all_graphs``' graphs)
+    # the nodes of the main graph and its bodies in one walk, and of each function (``every_graph``'s graphs)
     nodes = itertools.chain(every_node(model.graph), *(iter(f) for f in model.functions.values()))
     for value in (out for node in nodes for out in node.outputs):
         if value.is_graph_output() or value.name in declared:

@@ -13,6 +13,7 @@ from pathlib import Path
 from lnfuse import interrupts
 from lnfuse import terminal
 from lnfuse.errors import UsageError
+from lnfuse.load import trust
 from lnfuse.version import version_line
 from lnfuse.zoo.inputs import expand
 from lnfuse.zoo.job import UNCHANGED, Job
@@ -29,11 +30,15 @@ def run(args: argparse.Namespace) -> int:
     output = Path(os.path.abspath(args.output))
     if output.exists() and not output.is_dir():
         raise UsageError(f"-o {output}: is a file; with many models -o names the output folder")
-    report_folder = Path(args.report) if args.report else None
+    report_folder = Path(os.path.abspath(args.report)) if args.report else None
     if report_folder is not None and report_folder.exists() and not report_folder.is_dir():
         raise UsageError(f"--report {report_folder}: is a file; with many models --report names a folder")
     models = expand(args.model, args.from_list, output, exclude=not args.in_place)
-    output.mkdir(parents=True, exist_ok=True)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"-o {output}: cannot make this folder ({error.strerror}); give a folder that can be "
+                         "made there") from None
     options = {"target": args.target, "verify": not args.no_verify, "only": _rules(args.only),
                "skip": _rules(args.skip), "upgrade_opset": args.upgrade_opset,
                "verify_model": args.verify == "model", "quantize_embeddings": args.quantize_embeddings,
@@ -112,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 def _no_collision(jobs: list[Job], ledger: Path) -> None:
     """No file the run writes is written twice, or is a file another model reads: an output, ``<output>.data`` or
     report that is the ledger, another model's write, another input model, or (when writes land in the inputs'
-    folders: ``--in-place``, a report folder among the inputs) a data file another model reads. A model's writes
+    folders or below them: ``--in-place``, a report folder among the inputs) a data file another model reads. A model's writes
     over its own files are ``save``'s to judge (``--in-place`` replaces the model and its ``single`` data file)."""
     written: dict[str, tuple[str, str]] = {os.path.realpath(ledger): ("the ledger", "")}
     for job in jobs:
@@ -124,7 +129,7 @@ def _no_collision(jobs: list[Job], ledger: Path) -> None:
             written[key] = (f"the output of {job.source}", job.source)
     read = {os.path.realpath(job.source): job.source for job in jobs}
     folders = {os.path.dirname(key) for key in read}
-    if any(os.path.dirname(key) in folders for key in written):
+    if any(trust.inside(key, folder) for key in written for folder in folders):
         from lnfuse.zoo.job import listed_files  # parses each model: only when writes land among the inputs
 
         for job in jobs:

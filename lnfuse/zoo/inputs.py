@@ -13,7 +13,7 @@ from pathlib import Path
 from lnfuse.load import trust
 from lnfuse.errors import UsageError
 
-#: lnfuse's own temporary folders (``io.save``'s staging) are never inputs
+#: lnfuse's own temporary folders (``save/staging``) are never inputs
 _STAGING = ".lnfuse-tmp"
 #: how many folders deep a folder given as input (or a glob's ``**``) is looked into: model zoos nest a few levels
 #: (org/model/variant/onnx); a folder nested deeper is refused, not walked (a tree 1,300 deep once ended the run,
@@ -55,12 +55,16 @@ def expand(arguments: list[str], from_list: str | None, output: Path, *, exclude
                                  "models where they are")
             found += [(model, path) for model in _walk(path, skipped, budget)]
         elif not path.exists() and glob.has_magic(entry):
-            matches = [_absolute(m) for m in _glob(entry, budget)]
-            matches = [m for m in matches if m.is_file() and not _in_output(m, skipped) and _STAGING not in str(m)]
+            root = _absolute(_fixed_prefix(entry))
+            # what the pattern finds below its fixed folder is that folder's: a link out of it is not an input
+            # (as in a folder given whole), nor is anything in lnfuse's own temporary folders
+            real_root = os.path.realpath(root)
+            matches = [m for m in map(_absolute, _glob(entry, budget)) if m.is_file() and not _in_output(m, skipped)
+                       and trust.inside(os.path.realpath(m), real_root)
+                       and not any(part.endswith(_STAGING) for part in m.parts[len(root.parts):])]
             if not matches:
                 raise UsageError(f"{entry}: no file matches; check the pattern (quote it so the shell does not "
                                  "expand it first)")
-            root = _absolute(_fixed_prefix(entry))
             found += [(m, root) for m in matches]
         else:
             if _in_output(path, skipped):
@@ -187,7 +191,11 @@ def _glob(pattern: str, budget: _Budget) -> list[str]:
     (glob's own ``**`` recurses once per level, and follows links to folders); other globs have one level per
     component of the pattern."""
     if "**" not in pattern:
-        return sorted(glob.glob(pattern))
+        try:
+            return sorted(glob.glob(pattern))
+        except RecursionError:  # glob recurses once per component of the pattern
+            raise UsageError(f"{pattern[:60]}...: a pattern of more components than lnfuse follows; give a shorter "
+                             "one, or name the folders") from None
     root = _fixed_prefix(pattern)
     rest = Path(pattern).parts[len(Path(root).parts) if root != "." else 0:]
     return sorted(str(path) for path, _ in _files(Path(root), None, budget, pattern)

@@ -19,6 +19,7 @@ from typing import Iterator
 
 from lnfuse import userkey
 from lnfuse.errors import UsageError
+from lnfuse.load.trust import untrusted_json
 from lnfuse.zoo.identity import IDENTITY, unchanged
 from lnfuse.zoo.job import Job
 
@@ -62,7 +63,9 @@ class Ledger:
         self._key = userkey.user_key()
         self.unsigned = 0  # rows read whose signature is not this user's key's: ignored
         self.rows = self._read()
-        self._file = None
+        # opened for appending now: a ledger that cannot be written stops the run before any model is written
+        self._file = self._open(os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        self._appended = False
 
     def _read(self) -> dict[str, dict]:
         """The last row of each input. A line cut short by a kill mid-write (the last one) is ignored. Read a line at
@@ -122,8 +125,8 @@ class Ledger:
 
     def append(self, row: dict) -> None:
         """One line, signed, written whole and pushed to disk before the next model's row."""
-        if self._file is None:
-            self._file = self._open(os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        if not self._appended:
+            self._appended = True
             end = self._file.seek(0, os.SEEK_END)
             if end and os.pread(self._file.fileno(), 1, end - 1) != b"\n":
                 self._file.write(b"\n")  # end the line a kill cut short, so that this row starts its own
@@ -144,16 +147,18 @@ class Ledger:
             if error.errno == errno.ELOOP:
                 raise UsageError(f"--ledger {self.path}: is a link; give the ledger's own path, or remove the link")\
                     from None
-            raise
+            if error.errno == errno.ENOENT and not flags & os.O_CREAT:
+                raise  # no ledger yet: nothing to read
+            raise UsageError(f"--ledger {self.path}: cannot open it ({error.strerror}); give a file lnfuse may "
+                             "write") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise UsageError(f"--ledger {self.path}: is not a regular file; give another path or remove it")
         return os.fdopen(fd, "rb" if flags == os.O_RDONLY else "r+b", buffering=0)
 
     def close(self) -> None:
-        if self._file is not None:
+        if not self._file.closed:
             self._file.close()
-            self._file = None
 
 
 #: a row is under a few KB (its reason is cut at 300 characters); a longer line is not one lnfuse wrote
@@ -180,7 +185,9 @@ def _parsed(line: bytes | None) -> dict | None:
     if line is None:
         return None
     try:
-        row = json.loads(line.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        row = untrusted_json(line.decode())
+    except UnicodeDecodeError:
+        return None
+    if row is None:
         return None
     return row if isinstance(row, dict) else {}

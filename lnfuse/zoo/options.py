@@ -65,7 +65,17 @@ def parse_size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"'{text}' is not a size; write e.g. 4G, 1500M or 512MiB")
     scale = 1024 ** " kmgt".index(match.group(2).lower() or " ")
-    return int(float(match.group(1)) * scale)
+    size = float(match.group(1)) * scale
+    if not 1 <= size <= _MOST_MEMORY:  # a setrlimit past this fails in the worker, not here
+        raise argparse.ArgumentTypeError(f"'{text}' is not a memory size lnfuse can set; give one from 1 byte to "
+                                         f"{_MOST_MEMORY >> 50} PiB, e.g. 4G")
+    return int(size)
+
+
+#: the largest --max-memory: far above any machine's memory, far below what setrlimit takes
+_MOST_MEMORY = 1 << 50
+#: the longest --timeout: a month (a longer one is no limit, and timers past this overflow)
+_MOST_SECONDS = 30 * 24 * 3600
 
 
 def _positive_int(text: str) -> int:
@@ -83,7 +93,8 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds; give a positive number")
+    if not 0 < value <= _MOST_SECONDS:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds lnfuse can wait; give a positive "
+                                         f"number up to {_MOST_SECONDS} (30 days)")
     return value
 
