@@ -26,9 +26,9 @@ from lnfuse.report import Report
 from lnfuse.match.rule import Rule
 from lnfuse.rules import all_rules
 from lnfuse.commands.quantize import SCHEMES, accuracy, quantize_embeddings
-from lnfuse.targets import TARGETS
+from lnfuse.targets import TARGETS, rule_names
 from lnfuse.match.quantized_norms import quantized_norms
-from lnfuse.index.ops import op_key, op_name
+from lnfuse.index.ops import only_ort_runs, op_key, op_name
 from lnfuse.index.traversal import every_node
 from lnfuse.verification.whole_model import compare_models
 
@@ -68,7 +68,7 @@ def select_rules(only: Iterable[str] | str | None = None, skip: Iterable[str] | 
                  ) -> tuple[Rule, ...]:
     """The rules to run: ``only`` these, none of ``skip`` (rule names; one name, or names joined by commas, as a
     string)."""
-    only, skip = _names(only), _names(skip)
+    only, skip = rule_names(only), rule_names(skip)
     rules = all_rules()
     known = {r.name for r in rules}
     for name in list(only or []) + list(skip or []):
@@ -131,8 +131,9 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
         if target == "onnx":
             _standard_ops_only(loaded.model)
         write.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
-        mark_model(loaded.model, report, {"target": target, "verify": verify, "only": sorted(_names(only) or []),
-                                          "skip": sorted(_names(skip) or []), "upgrade_opset": upgrade_opset,
+        mark_model(loaded.model, report, {"target": target, "verify": verify,
+                                          "only": sorted(rule_names(only) or []),
+                                          "skip": sorted(rule_names(skip) or []), "upgrade_opset": upgrade_opset,
                                           "verify_model": verify_model, "quantize_embeddings": quantize_embeddings,
                                           "allow_requantization": allow_requantization})
     report.seconds = time.perf_counter() - start
@@ -256,10 +257,8 @@ def _note_runtime_ops(model: ir.Model, report: Report,
     for graph, counts in ops.items():
         graph_opset = graph.opset_imports.get("", opset) if isinstance(graph, ir.Function) else opset
         for domain, op_type in counts:
-            if domain == "com.microsoft":
-                contrib.add(op_type)
-            elif domain in ("", "ai.onnx") and not _onnx_defines(op_type, graph_opset):
-                default.add(op_type)
+            if only_ort_runs(domain, op_type, graph_opset):
+                (default if domain in ("", "ai.onnx") else contrib).add(op_type)
     report.ort_only = bool(contrib or default)
     if default:
         report.notes.append(f"the output uses ONNX Runtime's own {', '.join(sorted(default))} in the default "
@@ -268,14 +267,6 @@ def _note_runtime_ops(model: ir.Model, report: Report,
     elif contrib:
         report.notes.append(f"the output uses ONNX Runtime's com.microsoft ops ({', '.join(sorted(contrib))}): "
                             "only ONNX Runtime runs it; use --target onnx for standard ops only")
-
-
-def _onnx_defines(op_type: str, opset: int) -> bool:
-    try:
-        onnx.defs.get_schema(op_type, opset, "")
-        return True
-    except onnx.defs.SchemaError:
-        return False
 
 
 def _ops_by_graph(model: ir.Model) -> dict[ir.Graph | ir.Function, Counter[tuple[str, str]]]:
@@ -294,16 +285,7 @@ def _count_ops_by_type(ops: dict[ir.Graph | ir.Function, Counter[tuple[str, str]
     return dict(counts)
 
 
-def _names(rules: Iterable[str] | str | None) -> list[str] | None:
-    """Rule names given as a list, or as one string (``"layer_norm"``, ``"layer_norm,skip_norm"``)."""
-    if isinstance(rules, str):
-        return [name.strip() for name in rules.split(",") if name.strip()]
-    return None if rules is None else list(rules)
 
-
-#: the domains of ops only ONNX Runtime runs
-_ORT_DOMAINS = frozenset({"com.microsoft", "com.microsoft.nchwc", "com.ms.internal.nhwc", "com.microsoft.dml",
-                          "com.microsoft.extensions"})
 #: ONNX Runtime's ops that ``lnfuse decompose`` lowers to ONNX ops
 _LOWERED = frozenset({"LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
                       "SkipSimplifiedLayerNormalization", "EmbedLayerNormalization", "RMSNormalization"})
@@ -318,7 +300,7 @@ def _standard_ops_only(model: ir.Model) -> None:
     for graph, opset in graphs:
         for node in every_node(graph):
             domain, name = op_key(node)
-            if domain in _ORT_DOMAINS or (domain == "" and not onnx.defs.has(name, opset, "")):
+            if only_ort_runs(domain, name, opset):
                 fix = "run lnfuse decompose on it first" if name in _LOWERED else "use --target ort (the default)"
                 raise UsageError(f"--target onnx: the model holds {op_name(node)} '{node.name}', which only ONNX "
                                  f"Runtime runs{'' if domain else f' at opset {opset}'}; {fix}")

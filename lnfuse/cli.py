@@ -20,14 +20,10 @@ from pathlib import Path
 # that runs it, so --help and usage errors answer at once
 from lnfuse import terminal
 from lnfuse.errors import LnfuseError
-from lnfuse.targets import TARGETS
+from lnfuse.targets import TARGETS, rule_names
 from lnfuse.zoo import options as zoo_options
 
 COMMANDS = ("fuse", "explain", "decompose", "check")
-
-
-def _rules(text: str | None) -> list[str] | None:
-    return [r.strip() for r in text.split(",") if r.strip()] if text else None
 
 
 def _common(parser: argparse.ArgumentParser, many: bool = False) -> None:
@@ -204,9 +200,9 @@ def _run(command: str, args: argparse.Namespace) -> int:
         inputs = read_inputs(args.inputs)
     quiet = getattr(args, "quiet", False) or getattr(args, "json", False)
     bar = None if quiet or not terminal.is_terminal(err=True) else _progress
-    result = fuse(args.model, target=args.target, verify=not args.no_verify, only=_rules(args.only),
+    result = fuse(args.model, target=args.target, verify=not args.no_verify, only=rule_names(args.only),
                   progress=bar,
-                  skip=_rules(args.skip), upgrade_opset=args.upgrade_opset,
+                  skip=rule_names(args.skip), upgrade_opset=args.upgrade_opset,
                   verify_model=getattr(args, "verify", None) == "model", inputs=inputs,
                   quantize_embeddings=getattr(args, "quantize_embeddings", None),
                   allow_requantization=args.allow_requantization)

@@ -20,10 +20,15 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import onnx
+
 #: the default domain's two spellings
 ONNX_DOMAINS = frozenset({"", "ai.onnx"})
 #: ONNX Runtime's contrib domain
 ORT_DOMAIN = "com.microsoft"
+#: the domains of ops only ONNX Runtime runs
+ORT_DOMAINS = frozenset({ORT_DOMAIN, "com.microsoft.nchwc", "com.ms.internal.nhwc", "com.microsoft.dml",
+                         "com.microsoft.extensions"})
 
 
 class _Named(Protocol):
@@ -72,3 +77,11 @@ def op_name(node: _Named) -> str:
     domain, name = op_key(node)
     return f"{domain}::{name}" if domain else name
 
+
+def only_ort_runs(domain: str, op_type: str, opset: int) -> bool:
+    """Whether (domain, op_type) is an op only ONNX Runtime runs, in a graph whose default-domain opset is
+    ``opset``: a contrib op, or a default-domain op ONNX does not define at that opset (ORT's own
+    LayerNormalization before opset 17), which onnx's checker rejects."""
+    if domain in ORT_DOMAINS:
+        return True
+    return domain in ONNX_DOMAINS and not onnx.defs.has(op_type, opset, "")

@@ -50,7 +50,8 @@ def save(model: ir.Model, path: str | os.PathLike, *, external_data: str | None,
     Returns the files written: the model, ``<path>.data`` if its weights needed one, the report."""
     target = Path(path)
     if input_path is not None and not in_place and _same_file(target, input_path):
-        raise OutputError(f"{target}: the output would overwrite the input; choose another path, or ask for in place (--in-place, in_place=True)")
+        raise OutputError(f"{target}: the output would overwrite the input; choose another path, or ask for in place "
+                          "(--in-place, in_place=True)")
     if in_place and target.is_symlink() and input_path is not None and _same_file(target, input_path):
         # rewrite the file the link names, keep the link; any other link is replaced like any output
         target = Path(os.path.realpath(target))

@@ -14,6 +14,7 @@ from lnfuse import interrupts
 from lnfuse import terminal
 from lnfuse.errors import UsageError
 from lnfuse.load import trust
+from lnfuse.targets import rule_names
 from lnfuse.version import version_line
 from lnfuse.zoo.inputs import expand
 from lnfuse.zoo.job import UNCHANGED, Job
@@ -39,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         raise UsageError(f"-o {output}: cannot make this folder ({error.strerror}); give a folder that can be "
                          "made there") from None
-    options = {"target": args.target, "verify": not args.no_verify, "only": _rules(args.only),
-               "skip": _rules(args.skip), "upgrade_opset": args.upgrade_opset,
+    options = {"target": args.target, "verify": not args.no_verify, "only": rule_names(args.only),
+               "skip": rule_names(args.skip), "upgrade_opset": args.upgrade_opset,
                "verify_model": args.verify == "model", "quantize_embeddings": args.quantize_embeddings,
                "allow_requantization": args.allow_requantization}
     jobs = [Job(str(m.path), str(output / m.relative), str(m.relative), options, args.external_data, args.in_place,
@@ -117,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
 def _no_collision(jobs: list[Job], ledger: Path) -> None:
     """No file the run writes is written twice, or is a file another model reads: an output, ``<output>.data`` or
     report that is the ledger, another model's write, another input model, or (when writes land in the inputs'
-    folders or below them: ``--in-place``, a report folder among the inputs) a data file another model reads. A model's writes
+    folders or below them: ``--in-place``, a report folder among the inputs) a data file another model reads. A
+    model's writes
     over its own files are ``save``'s to judge (``--in-place`` replaces the model and its ``single`` data file)."""
     written: dict[str, tuple[str, str]] = {os.path.realpath(ledger): ("the ledger", "")}
     for job in jobs:
@@ -156,7 +158,3 @@ def _writes(job: Job) -> list[str]:
 def _cores() -> int:
     """The cores this process may run on (a container or taskset may allow fewer than the machine has)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _rules(text: str | None) -> list[str] | None:
-    return [r.strip() for r in text.split(",") if r.strip()] if text else None

@@ -170,7 +170,8 @@ def _fuse(job: Job, model: ModelIdentity) -> dict:
             _make_folder(Path(path).parent)
     written = result.save(job.output, in_place=job.in_place, external_data=job.external_data, report=job.report)
     done |= {"output": job.output, "output_identity": output_identity(Path(job.output)),
-             "bytes_out": sum(path.stat().st_size for path in written if job.report is None or path != Path(job.report))}
+             "bytes_out": sum(path.stat().st_size for path in written
+                              if job.report is None or path != Path(job.report))}
     if report.unfused:
         first = report.unfused[0]
         return done | {"status": "candidates left", "exit": OK,  # written, as a run of the model alone: exit 0

@@ -61,7 +61,8 @@ def run_ray(jobs: list[Job], address: str, cpus: int | None, timeout: float | No
     except ImportError:
         ray = None
     if getattr(ray, "init", None) is None:  # a folder named ray (Ray's own /tmp/ray) on the path is no Ray
-        raise UsageError("--ray needs Ray: pip install 'ray>=2.9' (or, from a clone of lnfuse, pip install -e '.[ray]')")
+        raise UsageError("--ray needs Ray: pip install 'ray>=2.9' (or, from a clone of lnfuse, pip install -e "
+                         "'.[ray]')")
     if address:
         try:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
