@@ -119,8 +119,8 @@ def _no_collision(jobs: list[Job], ledger: Path) -> None:
     """No file the run writes is written twice, or is a file another model reads: an output, ``<output>.data`` or
     report that is the ledger, another model's write, another input model, or (when writes land in the inputs'
     folders or below them: ``--in-place``, a report folder among the inputs) a data file another model reads. A
-    model's writes
-    over its own files are ``save``'s to judge (``--in-place`` replaces the model and its ``single`` data file)."""
+    model's writes over its own files are ``save``'s to judge (``--in-place`` replaces the model and its
+    ``single`` data file)."""
     written: dict[str, tuple[str, str]] = {os.path.realpath(ledger): ("the ledger", "")}
     for job in jobs:
         for path in _writes(job):
