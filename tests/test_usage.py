@@ -158,3 +158,24 @@ def test_upgrade_opset_without_target_onnx_is_not_ignored(tmp_path: Path):
     (tmp_path / "m.onnx").write_bytes(SAMPLE.read_bytes())
     proc = _lnfuse("m.onnx", "-o", "o.onnx", "--upgrade-opset", cwd=tmp_path)
     assert proc.returncode == 2 and "--target onnx" in proc.stderr.splitlines()[-1], proc.stderr
+
+
+def test_inputs_of_the_wrong_shape_are_named_as_dims(tmp_path: Path):
+    """``--inputs`` of another shape: the message shows dims as ``float32[?,8,32]``, not a Python list."""
+    import numpy as np
+    import onnx
+
+    (tmp_path / "m.onnx").write_bytes(SAMPLE.read_bytes())
+    name = onnx.load(tmp_path / "m.onnx").graph.input[0].name
+    np.savez(tmp_path / "in.npz", **{name: np.zeros((2, 3), np.float32)})
+    proc = _lnfuse("m.onnx", "-o", "o.onnx", "--verify", "model", "--inputs", "in.npz", cwd=tmp_path)
+    assert proc.returncode == 2 and "float32[2,3]" in proc.stderr and "'?'" not in proc.stderr, proc.stderr
+
+
+def test_a_long_reason_is_cut_at_a_word():
+    from lnfuse.zoo.job import _shortened
+
+    text = "the addends of 'h' have shapes " + "[batch,8,32] and " * 40
+    cut = _shortened(text)
+    assert len(cut) <= 300 and cut.endswith("…") and text.startswith(cut[:-1].rstrip())
+    assert cut[:-1].split()[-1] in text.split(), "no word cut in half"
