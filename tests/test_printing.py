@@ -321,3 +321,14 @@ def test_the_progress_line_keeps_a_long_names_start_and_end(tmp_path: Path):
     code, text = _received(tmp_path / "zoo", "-o", tmp_path / "out", "--jobs", "1", cwd=tmp_path)
     assert code == 0, text
     assert "organisation/…" in text and "model_quantized.onnx" in text, text
+
+
+def test_no_eta_from_the_first_models_alone(tmp_path: Path):
+    """The first models carry the workers' start-up: the bar says no ETA until three have finished (or all)."""
+    (tmp_path / "zoo").mkdir()
+    for name in ("a", "b"):
+        _fusable(tmp_path / "zoo" / f"{name}.onnx")
+    code, text = _received(tmp_path / "zoo", "-o", tmp_path / "out", "--jobs", "1", cwd=tmp_path)
+    assert code == 0, text
+    after_one = [part for part in text.split("\r") if "1/2 done" in part]
+    assert after_one and all("ETA --:--" in part for part in after_one), after_one
