@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -1304,12 +1305,10 @@ def _mentioned_locations(path: Path) -> dict[bytes, int]:
     return found
 
 
-def _seed_canaries(root: Path, tag: str) -> dict[str, bytes]:
-    """Fill root/cwd (and root/secret, the target of links out of the model folder) with canary files; return each
-    canary's path (relative to root) and its 8-byte token. A file is its token repeated, at least as long as any
-    read the model describes from a file of that name."""
-    cwd, folder = root / "cwd", root / "model"
-    wanted = {name: 0 for name in _SECRETS}
+def _names_to_seed(folder: Path, first: Iterable[bytes]) -> dict[bytes, int]:
+    """The file names a seeded folder gets (``first``, every file of the model folder, every location the model
+    names), each with the bytes a read of it may need."""
+    wanted = {name: 0 for name in first}
     for dirpath, _dirs, files in os.walk(os.fsencode(folder)):
         for file in files:
             relative = os.path.relpath(os.path.join(dirpath, file), os.fsencode(folder))
@@ -1317,6 +1316,15 @@ def _seed_canaries(root: Path, tag: str) -> dict[str, bytes]:
                 wanted[relative] = max(wanted.get(relative, 0), os.lstat(os.path.join(dirpath, file)).st_size)
     for location, need in _mentioned_locations(folder / "model.onnx").items():
         wanted[location] = max(wanted.get(location, 0), need)
+    return wanted
+
+
+def _seed_canaries(root: Path, tag: str) -> dict[str, bytes]:
+    """Fill root/cwd (and root/secret, the target of links out of the model folder) with canary files; return each
+    canary's path (relative to root) and its 8-byte token. A file is its token repeated, at least as long as any
+    read the model describes from a file of that name."""
+    cwd = root / "cwd"
+    wanted = _names_to_seed(root / "model", _SECRETS)
     canaries = {}
     targets = [(os.path.join(os.fsencode(cwd), name), need) for name, need in wanted.items()]
     targets.append((os.fsencode(root / "secret"), 4096))
@@ -1355,15 +1363,8 @@ def _seed_user_files(root: Path, spec: Case, tag: str) -> dict[str, bytes]:
     canary must reach nothing else it writes. No user files when the output goes into the model's own folder."""
     if spec.out_dir is None:
         return {}
-    folder, base = root / "model", os.fsencode(spec.out_dir)
-    wanted = {name.encode(): 0 for name in _USER_FILES}
-    for dirpath, _dirs, files in os.walk(os.fsencode(folder)):
-        for file in files:
-            relative = os.path.relpath(os.path.join(dirpath, file), os.fsencode(folder))
-            if relative != b"model.onnx":
-                wanted[relative] = max(wanted.get(relative, 0), os.lstat(os.path.join(dirpath, file)).st_size)
-    for location, need in _mentioned_locations(folder / "model.onnx").items():
-        wanted[location] = max(wanted.get(location, 0), need)
+    base = os.fsencode(spec.out_dir)
+    wanted = _names_to_seed(root / "model", [name.encode() for name in _USER_FILES])
     own = {os.fsencode(path) for path in spec.writes | spec.always}
     canaries = {}
     for k, (name, need) in enumerate(sorted(wanted.items())):

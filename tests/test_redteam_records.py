@@ -87,18 +87,24 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 # the ledger
 
 
-@pytest.mark.parametrize("signed_by", ["nobody", "the attacker"])
-def test_a_forged_row_in_a_folder_fused_in_place_is_ignored(tmp_path: Path, signed_by: str):
-    """``lnfuse DIR -o DIR --in-place`` on a downloaded folder that ships a ledger saying its model is fused (the
-    forged counts, 42): the row is ignored with one warning, and the model is fused."""
+def _shipped_with_a_row(tmp_path: Path) -> tuple[Path, Path]:
+    """A downloaded folder (its model unfused) shipping the ledger of the attacker's own in-place run: the row is
+    shaped by a real run, and the model put back as it was."""
     folder = tmp_path / "download"
     model = external_model(folder)
     pristine = _snapshot(folder)
-    # the attacker's own run shapes the row; the model is then shipped as it was, with that row
     assert _lnfuse(str(folder), "-o", str(folder), "--in-place", "--jobs", "1",
                    env=_attacker_key(tmp_path)).returncode == 0
     for name, blob in pristine.items():
         (folder / name).write_bytes(blob)
+    return folder, model
+
+
+@pytest.mark.parametrize("signed_by", ["nobody", "the attacker"])
+def test_a_forged_row_in_a_folder_fused_in_place_is_ignored(tmp_path: Path, signed_by: str):
+    """``lnfuse DIR -o DIR --in-place`` on a downloaded folder that ships a ledger saying its model is fused (the
+    forged counts, 42): the row is ignored with one warning, and the model is fused."""
+    folder, model = _shipped_with_a_row(tmp_path)
     attacker = (tmp_path / "attacker" / "key").read_bytes() if signed_by == "the attacker" else None
     _forge(folder / LEDGER, attacker, fused={"LayerNormalization": 42})
     proc = _lnfuse(str(folder), "-o", str(folder), "--in-place", "--jobs", "1")
@@ -112,13 +118,7 @@ def test_a_forged_row_in_a_folder_fused_in_place_is_ignored(tmp_path: Path, sign
 def test_the_same_forgery_signed_with_the_user_s_key_would_be_kept(tmp_path: Path):
     """The control: the forged row of the case above, signed with the user's own key, is trusted (the model is
     skipped and stays unfused). Only the signature stands between a download and the user's records."""
-    folder = tmp_path / "download"
-    model = external_model(folder)
-    pristine = _snapshot(folder)
-    assert _lnfuse(str(folder), "-o", str(folder), "--in-place", "--jobs", "1",
-                   env=_attacker_key(tmp_path)).returncode == 0
-    for name, blob in pristine.items():
-        (folder / name).write_bytes(blob)
+    folder, model = _shipped_with_a_row(tmp_path)
     _forge(folder / LEDGER, userkey.user_key(), fused={"LayerNormalization": 42})
     proc = _lnfuse(str(folder), "-o", str(folder), "--in-place", "--jobs", "1")
     assert "1 model(s) taken from the ledger" in proc.stdout and "LayerNormalization" not in _ops(model)
