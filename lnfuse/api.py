@@ -100,8 +100,8 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
     ``verify_model=True`` also runs the whole original and fused models (on ``inputs`` or random data).
     ``quantize_embeddings="uint8"|"int8"`` then turns the fused EmbedLayerNormalization nodes into
     QEmbedLayerNormalization and reports the worst difference to the float model.
-    ``allow_requantization=True`` keeps rewrites whose float rounding differs in front of a QuantizeLinear (refused by
-    default: they move quantized values by whole steps for some inputs); the report says how many moved.
+    ``allow_requantization=True`` keeps rewrites whose outputs reach a quantizer by any path in the graph (refused by
+    default: the fused op's rounding moves quantized values by whole steps for some inputs).
     ``progress(fraction, label)`` is called as the work goes on (the CLI draws a bar on a terminal with it).
     """
     if target not in TARGETS:

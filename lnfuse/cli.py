@@ -38,8 +38,9 @@ def _common(parser: argparse.ArgumentParser, many: bool = False) -> None:
                         help="with --target onnx: convert the model to the opset the fused ops need (kept only if "
                              "the whole model still verifies)")
     parser.add_argument("--allow-requantization", action="store_true",
-                        help="also fuse where the fused op's float rounding reaches a QuantizeLinear (moves "
-                             "quantized values by whole steps for some inputs; the report says how many)")
+                        help="also fuse norms whose outputs reach a quantizer (QuantizeLinear, "
+                             "DynamicQuantizeLinear, ...): the fused op's rounding moves quantized values by whole "
+                             "steps for some inputs")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="list every candidate, and every check that failed on the forms tried")

@@ -30,7 +30,8 @@ from lnfuse.index.scopes import Scope, all_names, nodes_of, scopes
 from lnfuse.index.new_values import retype_new_values
 from lnfuse.rewrite import apply, cleanup
 from lnfuse.verification.region import Outcome, verify
-from lnfuse.index.ops import known_op
+from lnfuse.index.ops import known_op, op_name
+from lnfuse.index.quantizers import QuantizerReach, Reached
 
 #: match attempts per root node; commuted operands make a few, a pathological graph must not make thousands
 _MAX_ATTEMPTS = 64
@@ -45,7 +46,7 @@ class Options:
     target: str = "ort"
     verify: bool = True
     rules: tuple[Rule, ...] = ()
-    #: keep a verified rewrite whose float rounding difference reaches a quantizer (see ``verify.verify``)
+    #: keep a verified rewrite whose changed values reach a quantizer (``lnfuse.index.quantizers``)
     allow_requantization: bool = False
     #: called with (fraction of the pass done, what is running) while the pass runs (the CLI draws a bar)
     progress: Callable[[float, str], None] | None = None
@@ -106,6 +107,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
     names = all_names(model, nodes)
     opsets_used: dict[str, int] = {}
     starved: dict[ir.Node, str] = {}  # the nodes of regions whose verification ran out of memory
+    reach = None if options.allow_requantization else QuantizerReach(model)
     every_scope = list(scopes(model))
     steps, step = max(1, len(every_scope) * len(options.rules)), 0
     for scope in every_scope:
@@ -132,7 +134,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             # undecided before verification: verifying on onnx's shapes would be wasted (verification only adds
             # refusals, so a pass undecided before it is undecided after it)
             why = _undecided(rule, found, found.accepted, found_stats, order) if seeds is not None else ""
-            kept = [] if why else _verified(found.accepted, model, scope, options, report, found, starved)
+            kept = [] if why else _verified(found.accepted, model, scope, options, report, found, starved, reach)
             if seeds is not None and (why := why or _undecided(rule, found, kept, found_stats, order)):
                 del report.fused[recorded:]  # this pass is done again on the new shapes
                 _forget(found.accepted)
@@ -142,7 +144,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
                 if not swept:  # nothing rewritten in this graph yet: the statistics are found on the new shapes
                     found_stats = statistics.find(scope.graph)
                 found = find(rule, ctx, order)
-                kept = _verified(found.accepted, model, scope, options, report, found, starved)
+                kept = _verified(found.accepted, model, scope, options, report, found, starved, reach)
             for candidate in kept:
                 fused_by.update(dict.fromkeys(candidate.replacement.region,
                                               (rule.name, candidate.replacement.op_type)))
@@ -453,11 +455,14 @@ def check_no_cycle(rep: Replacement, position: dict[ir.Node, float]) -> None:
 
 
 def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, options: Options, report: Report,
-              found: _Pass, starved: dict[ir.Node, str]) -> list[_Candidate]:
+              found: _Pass, starved: dict[ir.Node, str], reach: QuantizerReach | None) -> list[_Candidate]:
     """The candidates ORT finds computing what they replace. ``starved``: the nodes of regions whose verification
     ran out of memory, with what it said; a candidate over any of them is refused unrun (another form of the same
     norm needs about as much, and would fail after seconds of allocating: the user must raise the memory either
-    way), and the regions that run out of memory here are added."""
+    way), and the regions that run out of memory here are added. ``reach``: where quantizers are, unless the user
+    allowed requantization; a candidate whose outputs reach one is refused before anything runs."""
+    if reach is not None:
+        candidates = _not_requantizing(candidates, reach, found)
     if not candidates:
         return []
     if not options.verify:
@@ -473,7 +478,7 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
              for c in candidates for n in c.replacement.region if (said := starved.get(n))}
     run = [c for c in candidates if id(c) not in unrun]
     outcomes = dict(zip(map(id, run), verify([c.replacement for c in run], opsets, model.ir_version,
-                                             found.position, allow_requantization=options.allow_requantization)))
+                                             found.position)))
     kept = []
     for c in candidates:
         outcome = outcomes.get(id(c)) or Outcome(False, float("nan"), unrun[id(c)])
@@ -489,6 +494,33 @@ def _verified(candidates: list[_Candidate], model: ir.Model, scope: Scope, optio
         for anchor in c.anchors:
             found.refuse(anchor, _Attempt(refusal, c.replacement.region, stage=3))
     return kept
+
+
+def _not_requantizing(candidates: list[_Candidate], reach: QuantizerReach, found: _Pass) -> list[_Candidate]:
+    """The candidates none of whose outputs reaches a quantizer; the others are refused, naming the quantizer. A
+    fused op rounds differently from the ops it replaces, so every output it replaces counts as changed: no sample
+    can show that no input moves a quantized value."""
+    kept = []
+    for c in candidates:
+        reached = next(((old, r) for old in c.replacement.outputs if (r := reach.first_quantizers([old]))), None)
+        if reached is None:
+            kept.append(c)
+            continue
+        _forget([c])
+        refusal = Refusal("requantization", _requantization_detail(c.replacement, *reached), decided=True)
+        for anchor in c.anchors:
+            found.refuse(anchor, _Attempt(refusal, c.replacement.region, stage=3))
+    return kept
+
+
+def _requantization_detail(rep: Replacement, output: ir.Value, reached: list[Reached]) -> str:
+    first = reached[0]
+    more = f" (and {len(reached) - 1} more quantizer(s))" if len(reached) > 1 else ""
+    path = "directly" if first.hops == 0 else f"through {first.hops} op(s)"
+    return (f"{rep.op_type} rewrite not applied: '{output.name}' reaches {op_name(first.quantizer)} "
+            f"'{_label(first.quantizer)}' {path}{more}; the fused op rounds differently from the ops it replaces, "
+            "and a quantizer turns a rounding difference into a whole step for some inputs, so the quantized model "
+            "would change: fuse the float model before quantizing it, or --allow-requantization fuses anyway")
 
 
 def _record_fused(c: _Candidate, scope: Scope, error: float | None, report: Report) -> None:

@@ -30,8 +30,27 @@ def _feeds(batch: int = 2, seq: int = 5) -> dict[str, np.ndarray]:
             "attention_mask": np.ones((batch, seq), np.int64)}
 
 
+def test_norms_feeding_dynamic_quantizers_stay_by_default():
+    """quantize_dynamic quantizes each MatMul's activation at run time: every norm but the last feeds one."""
+    original = onnx.load(DYNAMIC)
+    result = lnfuse.fuse(DYNAMIC)
+    counts = _counts(result.model)
+    assert counts["EmbedLayerNormalization"] + counts["SkipLayerNormalization"] == 1, counts
+    left = [u for u in result.report.unfused + result.report.kept if u.check == "requantization"]
+    assert len(left) == 4 and all("reaches DynamicQuantizeLinear '" in u.reason for u in left), left
+    dynamic_inputs = {n.input[0] for n in original.graph.node if n.op_type == "DynamicQuantizeLinear"}
+    probe = onnx.load(DYNAMIC)
+    probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in sorted(dynamic_inputs))
+    fused = result.model
+    fused.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in sorted(dynamic_inputs))
+    for seed in range(8):
+        feeds = {k: np.random.default_rng(seed).permutation(v.ravel()).reshape(v.shape) for k, v in _feeds().items()}
+        for before, after in zip(session(probe).run(None, feeds)[1:], session(fused).run(None, feeds)[1:]):
+            np.testing.assert_array_equal(before, after)
+
+
 def test_dynamic_int8_lookups_become_one_exact_embed_norm():
-    result = lnfuse.fuse(DYNAMIC, verify_model=True, inputs=_feeds())
+    result = lnfuse.fuse(DYNAMIC, verify_model=True, inputs=_feeds(), allow_requantization=True)
     fused = result.model
     counts = _counts(fused)
     assert counts["EmbedLayerNormalization"] == 1 and counts["SkipLayerNormalization"] == 4
@@ -52,7 +71,7 @@ def test_dynamic_int8_lookups_become_one_exact_embed_norm():
 def test_quantize_embeddings_keeps_the_quantized_tables_and_measures_the_rest():
     original = onnx.load(DYNAMIC)
     quantized_tables = {t.name for t in original.graph.initializer if t.data_type == TensorProto.UINT8}
-    result = lnfuse.fuse(DYNAMIC, quantize_embeddings="uint8")
+    result = lnfuse.fuse(DYNAMIC, quantize_embeddings="uint8", allow_requantization=True)
     qembed = next(n for n in result.model.graph.node if n.op_type == "QEmbedLayerNormalization")
     assert set(qembed.input[2:5]) <= quantized_tables, "the tables quantize_dynamic wrote are kept as they are"
     note = next(n for n in result.report.notes if "quantized 1 embedding block" in n)
