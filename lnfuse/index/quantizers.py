@@ -47,6 +47,8 @@ def quantizes(node: ir.Node) -> bool:
         return level is not None and not level.is_ref() and level.as_int() >= _INT8_ACCURACY
     if known_op(node) is None:
         return False  # a model-local function: the walk goes into its body instead
+    if is_op(node, "Cast") and (to := node.attributes.get("to")) is not None and not to.is_ref():
+        return ir.DataType(to.as_int()) in QUANTIZED  # the output's type, even where inference left it unknown
     reads_float = any(v is not None and v.dtype is not None and v.dtype.is_floating_point() for v in node.inputs)
     return reads_float and any(v.dtype in QUANTIZED for v in node.outputs)
 
@@ -71,8 +73,11 @@ class QuantizerReach:
         self._body_of: dict[int, ir.OperatorIdentifier] = {}
         for key, function in self._functions.items():
             self._body_of[id(function.graph)] = key
+        #: a model with no quantizer anywhere (a float model) needs no walk
+        self._none = True
         for graph in [model.graph, *self._functions.values()]:
             for node in every_node(graph):
+                self._none = self._none and not quantizes(node)
                 for sub in subgraphs(node):
                     self._owner[id(sub)] = node
                 if (key := _call_key(node)) in self._functions:
@@ -80,6 +85,8 @@ class QuantizerReach:
 
     def first_quantizers(self, values: list[ir.Value]) -> list[Reached]:
         """Each quantizer the ``values`` reach first, nearest first (breadth-first: the shortest path to each)."""
+        if self._none:
+            return []
         seen: set[ir.Value] = set(values)
         frontier, found, hops = list(values), {}, 0
         while frontier:
