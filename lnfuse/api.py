@@ -130,7 +130,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
                                                 gate=loaded.gate)
         if target == "onnx":
             _standard_ops_only(loaded.model)
-        write.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+        write.strip_inferred_value_info(loaded.model, loaded.declared_value_info, loaded.claims)
         mark_model(loaded.model, report, {"target": target, "verify": verify,
                                           "only": sorted(rule_names(only) or []),
                                           "skip": sorted(rule_names(skip) or []), "upgrade_opset": upgrade_opset,
@@ -211,7 +211,7 @@ def _upgraded(loaded: io.Loaded, options: Options, source: str, report: Report, 
         report.notes.append(f"--upgrade-opset: onnx's version converter could not reach opset {needed} "
                             f"({str(error).splitlines()[0][:200]}); the model keeps its opset")
         return loaded, report
-    upgraded.declared_value_info = loaded.declared_value_info
+    upgraded.declared_value_info, upgraded.claims = loaded.declared_value_info, loaded.claims
     # every file the input read (the model, data files of tensors read inline at load): none may be overwritten
     upgraded.model.meta[io.INPUT_FILES] = loaded.model.meta.get(io.INPUT_FILES, [])
     upgraded.model.meta[io.DATA_LOCATIONS] = loaded.model.meta.get(io.DATA_LOCATIONS, {})

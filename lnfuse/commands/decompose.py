@@ -96,7 +96,8 @@ def decompose(model: str | onnx.ModelProto, *, verify_rewrites: bool = True):
             n.domain == "com.microsoft" for n in ir.traversal.RecursiveGraphIterator(loaded.model.graph)):
         del loaded.model.opset_imports["com.microsoft"]
     report.ops_after = op_counts(loaded.model)
-    write.strip_inferred_value_info(loaded.model, loaded.declared_value_info | type_new_values(loaded.model, before))
+    write.strip_inferred_value_info(loaded.model, loaded.declared_value_info | type_new_values(loaded.model, before),
+                                    loaded.claims)
     mark_decomposed(loaded.model, report, verify_rewrites)
     report.seconds = time.perf_counter() - start
     return FuseResult(loaded.model, report, loaded.has_external_data, loaded.path, loaded.source)

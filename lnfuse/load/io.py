@@ -40,6 +40,9 @@ class Loaded:
     gate: Gate | None = None
     #: ORT's symbolic shape inference, when onnx's left dims unknown and it was deferred (``load(defer_symbolic)``)
     pending_shapes: PendingShapes | None = None
+    #: the main graph's value_info as the input declared it (serialized types, by name): written back as it was,
+    #: even where inference contradicts it, since ONNX Runtime loaded the input with that claim
+    claims: dict[str, bytes] = field(default_factory=dict)
 
 
 def read_proto(path: str | os.PathLike) -> tuple[onnx.ModelProto, FileWeights | None]:
@@ -338,6 +341,7 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     _densify_sparse(proto, where)
     skeleton, constants, types_checked = validate(proto, where, gate)
     declared = _value_info_names(proto.graph, set())
+    claims = {v.name: v.type.SerializeToString() for v in proto.graph.value_info}
     pending = None
     try:
         if defer_symbolic:
@@ -366,7 +370,7 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     # absolute: a script may change directory between reading and saving
     model.meta[INPUT_FILES] = [Path(os.path.abspath(f)) for f in ([path] if path is not None else []) + gate.files()]
     model.meta[DATA_LOCATIONS] = gate.admitted()
-    return Loaded(model, path, declared, has_external, error, source_weights, gate, pending)
+    return Loaded(model, path, declared, has_external, error, source_weights, gate, pending, claims)
 
 
 #: what the inferred skeleton holds of the full model: its nodes (with the subgraphs' value_info), its outputs, and

@@ -19,7 +19,7 @@ def write_annotated(source: str | os.PathLike, report: Report, output: str | os.
     ``report_file`` if given (renamed into place with the copy). Returns the nodes labelled."""
     loaded = io.load(source, defer_symbolic=True)  # labels need no shapes: ORT's inference is never asked
     labelled = mark_candidates(loaded.model, report, {scope.path: scope.graph for scope in scopes(loaded.model)})
-    write.strip_inferred_value_info(loaded.model, loaded.declared_value_info)
+    write.strip_inferred_value_info(loaded.model, loaded.declared_value_info, loaded.claims)
     write.save(loaded.model, output, external_data="keep" if loaded.has_external_data else None,
             input_path=loaded.path, source=loaded.source,
             report=(report_file, report.to_json()) if report_file is not None else None)

@@ -9,6 +9,7 @@ import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import onnx
 import onnx_ir as ir
@@ -24,15 +25,23 @@ from lnfuse.save import data_file
 from lnfuse.save.staging import Staging
 
 
-def strip_inferred_value_info(model: ir.Model, declared: set[str]) -> None:
-    """Drop the shapes lnfuse inferred for its own use, so the output declares what the input declared."""
+def strip_inferred_value_info(model: ir.Model, declared: set[str], claims: Mapping[str, bytes]) -> None:
+    """Drop the shapes lnfuse inferred for its own use, so the output declares what the input declared: the main
+    graph's values as the input's value_info had them (``claims``; a claim inference contradicts is what ONNX
+    Runtime loaded the input with, and the truth could make it refuse the output), the others as inferred."""
     # the nodes of the main graph and its bodies in one walk, and of each function (``every_graph``'s graphs)
     nodes = itertools.chain(every_node(model.graph), *(iter(f) for f in model.functions.values()))
     for value in (out for node in nodes for out in node.outputs):
-        if value.is_graph_output() or value.name in declared:
+        if value.is_graph_output():
             continue
-        value.type = None
-        value.shape = None
+        claim = claims.get(value.name) if value.graph is model.graph else None
+        if claim is not None:
+            declared_type = onnx.TypeProto.FromString(claim)
+            value.type = ir.serde.deserialize_type_proto_for_type(declared_type)
+            value.shape = ir.serde.deserialize_type_proto_for_shape(declared_type)
+        elif value.name not in declared:
+            value.type = None
+            value.shape = None
 
 
 #: how external weights are written: "keep" references the input's data files where the output can (it is written
