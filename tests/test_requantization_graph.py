@@ -224,3 +224,21 @@ def test_a_norm_inside_a_function_whose_caller_quantizes_is_left():
         result.report.explain()
     allowed = lnfuse.fuse(model, allow_requantization=True)
     assert any(n.op_type == "LayerNormalization" for n in allowed.model.functions[0].node)
+
+
+def test_a_loop_state_quantized_in_the_body_is_reached():
+    """The norm is a Loop's initial state; the body quantizes the state it is given."""
+    body = oh.make_graph(
+        [oh.make_node("Identity", ["cond_in"], ["cond_out"]),
+         oh.make_node("QuantizeLinear", ["state", "s", "z"], ["state_q"], name="body_quant"),
+         oh.make_node("DequantizeLinear", ["state_q", "s", "z"], ["state_out"])], "body",
+        [oh.make_tensor_value_info("i", TensorProto.INT64, []), oh.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         oh.make_tensor_value_info("state", TensorProto.FLOAT, [3, 2, H])],
+        [oh.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         oh.make_tensor_value_info("state_out", TensorProto.FLOAT, [3, 2, H])])
+    nodes = [oh.make_node("Loop", ["trips", "", "Y"], ["final"], body=body, name="loop")]
+    model = _with_tail(nodes, [oh.make_tensor_value_info("final", TensorProto.FLOAT, [3, 2, H])],
+                       [*SCALE, _const("trips", np.int64(2))])
+    result = lnfuse.fuse(model)
+    assert _norms(result.model) == 0
+    assert any(u.check == "requantization" and "'body_quant'" in u.reason for u in result.report.unfused)

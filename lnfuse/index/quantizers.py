@@ -106,9 +106,11 @@ class QuantizerReach:
         return [node for node, _ in value.uses()]
 
     def _carried(self, reader: ir.Node, value: ir.Value) -> list[ir.Value]:
-        """Where a difference in ``value`` goes once ``reader`` reads it: the reader's outputs and, for a call of a
-        model-local function, the body's inputs it binds."""
+        """Where a difference in ``value`` goes once ``reader`` reads it: the reader's outputs; for a Loop or Scan
+        given it as a state or sequence, every input of its bodies; for a call of a model-local function, the
+        body's inputs it binds."""
         out = [v for v in reader.outputs if v is not None]
+        out += [v for sub in subgraphs(reader) for v in sub.inputs]
         key = _call_key(reader)
         if key in self._functions:
             body = self._functions[key]
