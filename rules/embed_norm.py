@@ -2,7 +2,10 @@
 
 EmbedLayerNormalization computes ``LayerNorm(word[ids] + position[position_ids] + segment[segment_ids])``;
 without ``position_ids`` the kernel uses 0..S-1. QEmbedLayerNormalization does the same from per-tensor quantized
-tables, gamma and beta (``(q - zero_point) * scale``), and has no ``position_ids`` input.
+tables, gamma and beta (``(q - zero_point) * scale``), and has no ``position_ids`` input. Tables a quantizer made
+8-bit (``Gather(q) -> DequantizeLinear`` or ``DequantizeLinear(q) -> Gather``) go to QEmbedLayerNormalization as
+they are, or the block is left to the norm rules: never to the float kernel through a DequantizeLinear of the whole
+table, which ONNX Runtime does not fold at load (``_quantized_tables``).
 
 Which lookup is which is decided by meaning, not by names: the word lookup is indexed by a [B, S] id tensor; the
 position lookup is the one whose indices are provably 0..S-1 (a constant, a Slice of an arange buffer, a Range),
@@ -159,9 +162,8 @@ class _Lookup:
     table: ir.Value
     ids: ir.Value
     kind: str  # "arange" (0..S-1), "row" ((1,S) ids), "full" ((B,S) ids), or "" (none of these)
-    #: the int8/uint8 table, its scale and zero point, when the lookup reads a table quantized per tensor; ``table``
-    #: is then the quantized table
-    quantized: "_Quantized | None" = None
+    #: the int8/uint8 table, its scale and zero point, when the lookup reads a table quantized per tensor
+    quantized: _Quantized | None = None
     #: the dequantization after the Gather (quantize_dynamic's order); None when it is in front of it (QDQ's)
     dq: ir.Node | None = None
     nodes: tuple[ir.Node, ...] = ()  # the lookup's own nodes: Reshape of the ids, Gather, dequantization, views
@@ -206,7 +208,7 @@ class EmbedNorm(Rule):
             ctx.constant(np.zeros(hidden, dtype=dtype.numpy()), "lnfuse_zero_beta")
         tables = [word, position] + ([segment] if segment else [])
         read_sums = [v for v in _sum_values(read, norm) if read_outside(v, m.nodes)]
-        quantized, notes = _quantized_tables(ctx, tables, gamma_beta, read_sums, dtype) \
+        quantized, notes = _quantized_tables(ctx, tables, (gamma, beta, gamma_beta), read_sums, dtype) \
             if any(lk.quantized for lk in tables) else (None, [])
         if quantized is not None:
             fused = ctx.node("QEmbedLayerNormalization", _qembed_inputs(ctx, word, segment, quantized),
@@ -596,7 +598,7 @@ def _folded_positions(ctx: GraphContext, value: ir.Value, s: ir.Value) -> _Looku
     return _Lookup(None, table, table, "arange")
 
 
-def _quantized_table(dq: ir.Node | None, after: bool) -> "_Quantized | None":
+def _quantized_table(dq: ir.Node | None, after: bool) -> _Quantized | None:
     """The table a lookup reads as (q, scale, zero point) when ``dq`` dequantizes it: after the Gather
     (``after``, quantize_dynamic's order) or in front of it (QDQ's). Both are the lookup of the same int8/uint8
     table when the scale and zero point are one number each: a per-tensor dequantization commutes with the lookup.
@@ -868,15 +870,17 @@ def _one_type(ctx: GraphContext, parts: list[_Quantized | None]) -> list[_Quanti
     return out
 
 
-def _quantized_tables(ctx: GraphContext, tables: list[_Lookup], gamma_beta: list[_Quantized] | None,
-                      read_sums: list[ir.Value], dtype: ir.DataType) -> tuple[list[_Quantized] | None, list[str]]:
+def _quantized_tables(ctx: GraphContext, tables: list[_Lookup], norm: tuple, read_sums: list[ir.Value],
+                      dtype: ir.DataType) -> tuple[list[_Quantized] | None, list[str]]:
     """What a block over int8/uint8 tables becomes: QEmbedLayerNormalization over the tables as they are when
     gamma and beta are quantized per tensor too (exact but for the kernel's rounding), the quantized parts in the
     kernel's order. The float EmbedLayerNormalization would read each table through a DequantizeLinear of the whole
     table, which ONNX Runtime does not fold at load (it keeps DequantizeLinear out of constant folding): every run
     would dequantize every table. So it is written only as the hand-over to --quantize-embeddings, which turns it
-    into QEmbedLayerNormalization (quantizing gamma and beta) after the pass; else the block is refused with why."""
+    into QEmbedLayerNormalization (quantizing gamma and beta) after the pass; else the block is refused with why.
+    ``norm``: gamma, beta, and both as quantized parts if they are."""
     position = tables[1]
+    gamma, beta, gamma_beta = norm
     why = "EmbedLayerNormalization would read each table through a DequantizeLinear of the whole table, which " \
         "ONNX Runtime does not fold at load: every run would dequantize the tables"
     if dtype != ir.DataType.FLOAT:
@@ -888,15 +892,21 @@ def _quantized_tables(ctx: GraphContext, tables: list[_Lookup], gamma_beta: list
     if read_sums:
         raise Refusal("outputs", f"the tables are quantized and the embedding sum is read elsewhere: "
                       f"QEmbedLayerNormalization has no embedding_sum output, and {why}")
-    float_parts = [f"table '{lk.table.name}'" for lk in tables if lk.quantized is None]
+    float_parts = [f"table '{lk.table.name}' is float" for lk in tables if lk.quantized is None]
     if gamma_beta is None:
-        float_parts.append("gamma and beta")
+        float_parts.append("gamma and beta are float")
     if not float_parts:
         return [lk.quantized for lk in tables] + gamma_beta, []
-    if ctx.quantize_embeddings and ctx.path == "main":
+    # that pass rewrites the main graph, keeps stored quantized tensors and quantizes constant float ones: a block
+    # it would leave as it is would keep the whole-table dequantization
+    stored = [lk.quantized for lk in tables if lk.quantized]
+    floats = [lk.table for lk in tables if lk.quantized is None] + ([] if gamma_beta else [gamma, beta])
+    if ctx.quantize_embeddings and ctx.path == "main" and \
+            all(_stored_constant(q.tensor) and q.zero_point is not None for q in stored) and \
+            all(is_static(v) for v in floats):
         return None, ["written over the dequantized tables for --quantize-embeddings, which turns it into "
                       "QEmbedLayerNormalization over the tables as they are"]
-    raise Refusal("quantized", f"the tables are quantized and {' and '.join(float_parts)} float: "
+    raise Refusal("quantized", f"the tables are quantized and {' and '.join(float_parts)}: "
                   "QEmbedLayerNormalization takes them quantized, which changes the numbers, and "
                   f"{why}; --quantize-embeddings writes QEmbedLayerNormalization over the tables as they are and "
                   "reports the measured difference")

@@ -44,7 +44,7 @@ def test_dynamic_int8_lookups_are_never_dequantized_whole():
     assert len(tables) >= 3 and not any(n.op_type == "DequantizeLinear" and n.input[0] in tables
                                         for n in fused.graph.node), "no DequantizeLinear reads a whole table"
     explained = result.report.explain()
-    assert "gamma and beta float" in explained and "--quantize-embeddings" in explained, explained
+    assert "gamma and beta are float" in explained and "--quantize-embeddings" in explained, explained
 
 
 def test_quantize_embeddings_keeps_the_quantized_tables_and_measures_the_rest():

@@ -100,7 +100,8 @@ def _per_tensor(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
     if node is None or not is_op(node, "DequantizeLinear") or len(node.inputs) < 3 or node.inputs[2] is None:
         return None
     q, scale, zero = node.inputs[:3]
-    if q.const_value is None or q.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or zero.dtype != q.dtype:
+    stored = q.const_value is not None or (q.producer() is not None and is_op(q.producer(), "Constant"))
+    if not stored or q.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or zero.dtype != q.dtype:
         return None
     if any(static_value(v) is None or static_value(v).size != 1 for v in (scale, zero)):
         return None
