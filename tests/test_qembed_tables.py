@@ -121,7 +121,7 @@ def _gamma_beta_quantized(path: Path) -> onnx.ModelProto:
     return model
 
 
-def test_tables_gamma_and_beta_quantized_become_qembed_exactly():
+def test_tables_gamma_and_beta_quantized_become_qembed_exactly(tmp_path):
     model = _gamma_beta_quantized(QDQ_INT8)
     tables = _tables(model)
     result = lnfuse.fuse(model)
@@ -130,6 +130,8 @@ def test_tables_gamma_and_beta_quantized_become_qembed_exactly():
     assert all(inits[name].SerializeToString() == tables[name].SerializeToString() for name in node.input[2:5])
     assert {inits[name].data_type for name in node.input[2:7]} == {TensorProto.INT8}, "gamma, beta re-encoded"
     assert not _whole_table_dequantized(result.model, tables)
+    assert [f.max_error for f in result.report.fused if f.op_type == "QEmbedLayerNormalization"][0] < 1e-5
+    onnx.checker.check_model(onnx.load(result.save(tmp_path / "fused.onnx")[0]), full_check=True)
     _agree(result.model, model, atol=1e-5)  # exact but for the kernel's rounding
 
 
