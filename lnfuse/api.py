@@ -112,7 +112,7 @@ def fuse(model: str | os.PathLike | onnx.ModelProto | ir.Model | ONNXProgram, *,
     start = time.perf_counter()
     stage = _Stages(progress)
     options = Options(target=target, verify=verify, rules=select_rules(only, skip),
-                      allow_requantization=allow_requantization,
+                      allow_requantization=allow_requantization, quantize_embeddings=quantize_embeddings,
                       progress=stage.part(0.1, 0.85) if progress else None)
     stage(0.0, "reading and checking the model")
     with _cycle_collection_paused():

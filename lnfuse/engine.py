@@ -48,6 +48,8 @@ class Options:
     rules: tuple[Rule, ...] = ()
     #: keep a verified rewrite whose changed values reach a quantizer (``lnfuse.index.quantizers``)
     allow_requantization: bool = False
+    #: ``--quantize-embeddings``: the scheme its pass (after this one) quantizes embedding blocks in, if asked
+    quantize_embeddings: str | None = None
     #: called with (fraction of the pass done, what is running) while the pass runs (the CLI draws a bar)
     progress: Callable[[float, str], None] | None = None
 
@@ -111,7 +113,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
     every_scope = list(scopes(model))
     steps, step = max(1, len(every_scope) * len(options.rules)), 0
     for scope in every_scope:
-        ctx = GraphContext(scope.graph, scope.opset, options.target, scope.path, names)
+        ctx = GraphContext(scope.graph, scope.opset, options.target, scope.path, names, options.quantize_embeddings)
         removed = canonicalize(scope.graph, ctx.fresh_name)
         report.notes.extend(f"{scope.path}: removed {what}" for what in removed)
         # found before any rule rewrites the graph: what the report must account for, matched or not

@@ -2,7 +2,10 @@
 
 EmbedLayerNormalization computes ``LayerNorm(word[ids] + position[position_ids] + segment[segment_ids])``;
 without ``position_ids`` the kernel uses 0..S-1. QEmbedLayerNormalization does the same from per-tensor quantized
-tables, gamma and beta (``(q - zero_point) * scale``), and has no ``position_ids`` input.
+tables, gamma and beta (``(q - zero_point) * scale``), and has no ``position_ids`` input. Tables a quantizer made
+8-bit (``Gather(q) -> DequantizeLinear`` or ``DequantizeLinear(q) -> Gather``) go to QEmbedLayerNormalization as
+they are, or the block is left to the norm rules: never to the float kernel through a DequantizeLinear of the whole
+table, which ONNX Runtime does not fold at load (``_quantized_tables``).
 
 Which lookup is which is decided by meaning, not by names: the word lookup is indexed by a [B, S] id tensor; the
 position lookup is the one whose indices are provably 0..S-1 (a constant, a Slice of an arange buffer, a Range),
@@ -159,7 +162,10 @@ class _Lookup:
     table: ir.Value
     ids: ir.Value
     kind: str  # "arange" (0..S-1), "row" ((1,S) ids), "full" ((B,S) ids), or "" (none of these)
-    dequantized: bool = False  # the table is an int8/uint8 table dequantized per tensor
+    #: the int8/uint8 table, its scale and zero point, when the lookup reads a table quantized per tensor
+    quantized: _Quantized | None = None
+    #: the dequantization after the Gather (quantize_dynamic's order); None when it is in front of it (QDQ's)
+    dq: ir.Node | None = None
     nodes: tuple[ir.Node, ...] = ()  # the lookup's own nodes: Reshape of the ids, Gather, dequantization, views
 
 
@@ -195,18 +201,22 @@ class EmbedNorm(Rule):
         word, position, segment = _roles(lookups)
         for lookup in lookups:
             _check_table(lookup, hidden, dtype)
-        quantized = _dequantized([word.table, position.table] + ([segment.table] if segment else []) +
-                                 [gamma, beta])
+        # read before ``beta`` may become a made zero vector: whether gamma and beta come quantized too
+        gamma_beta = _dequantized([gamma, beta])
         gamma = _vector(gamma, hidden, dtype, "gamma")
         beta = _vector(beta, hidden, dtype, "beta") if beta is not None else \
             ctx.constant(np.zeros(hidden, dtype=dtype.numpy()), "lnfuse_zero_beta")
-        if quantized is not None and position.kind == "arange":
+        tables = [word, position] + ([segment] if segment else [])
+        read_sums = [v for v in _sum_values(read, norm) if read_outside(v, m.nodes)]
+        quantized, notes = _quantized_tables(ctx, tables, (gamma, beta, gamma_beta), read_sums, dtype) \
+            if any(lk.quantized for lk in tables) else (None, [])
+        if quantized is not None:
             fused = ctx.node("QEmbedLayerNormalization", _qembed_inputs(ctx, word, segment, quantized),
                              {"epsilon": epsilon}, domain="com.microsoft", num_outputs=2, hint=node_name(norm))
             op_type = "QEmbedLayerNormalization"
         else:
-            inputs = [_int32(ctx, word.ids), _int32(ctx, segment.ids) if segment else None, word.table,
-                      position.table, segment.table if segment else None, gamma, beta, None,
+            inputs = [_int32(ctx, word.ids), _int32(ctx, segment.ids) if segment else None,
+                      *(_float_table(ctx, lk) if lk else None for lk in (word, position, segment)), gamma, beta, None,
                       None if position.kind == "arange" else _int32(ctx, position.ids)]
             while inputs[-1] is None:
                 inputs.pop()
@@ -215,7 +225,6 @@ class EmbedNorm(Rule):
             op_type = "EmbedLayerNormalization"
         outputs = {norm.outputs[0]: fused.outputs[0]}
         # the sum's value, and the outputs of no-ops read through that hold it, wherever something else reads them
-        read_sums = [v for v in _sum_values(read, norm) if read_outside(v, m.nodes)]
         if op_type == "EmbedLayerNormalization":
             fused.outputs[1].meta[ABSENT] = True
             if read_sums:
@@ -229,8 +238,7 @@ class EmbedNorm(Rule):
             new.type, new.shape = old.type, old.shape
         return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
                            region=_region(m, lookups), attributes={"epsilon": epsilon},
-                           opset_imports={"com.microsoft": 1},
-                           notes=_quantized_note(lookups, op_type))
+                           opset_imports={"com.microsoft": 1}, notes=notes)
 
 
 def _sum_and_norm(m: Match, norm: ir.Node) -> tuple[ir.Value, ir.Value | None, tuple]:
@@ -266,14 +274,6 @@ def _region(m: Match, lookups: list[_Lookup]) -> list[ir.Node]:
         region = [n for n in region if n not in kept]
 
 
-def _quantized_note(lookups: list[_Lookup], op_type: str) -> list[str]:
-    if op_type != "EmbedLayerNormalization" or not any(lk.dequantized for lk in lookups):
-        return []
-    return ["the int8/uint8 tables are read through DequantizeLinear (exact: a per-tensor dequantization commutes "
-            "with the lookup); QEmbedLayerNormalization is not written because it takes gamma and beta quantized "
-            "and they are float here; --quantize-embeddings writes it, with the measured difference"]
-
-
 def _new_nodes(fused: ir.Node) -> list[ir.Node]:
     """The fused node and what was made for it: Casts of the ids and dequantizations of quantized tables."""
     made = []
@@ -288,8 +288,9 @@ def _classify(m: Match, i: int, ctx: GraphContext, total: ir.Value) -> _Lookup:
     gather = m.node(f"gather{i}")
     table, ids = m.value(f"table{i}"), m.value(f"ids{i}")
     dq = m.node(f"dq{i}")
-    if dq is not None:
-        table = _dequantize_table(ctx, dq, table)
+    quantized = _quantized_table(dq if dq is not None else table.producer(), dq is not None)
+    if quantized is not None and dq is not None:
+        quantized.tensor = table  # dequantized after the Gather: the rows are the table's
     if attr_value(gather, "axis", 0) != 0:
         raise Refusal("gather", f"Gather '{node_name(gather)}' gathers along axis {attr_value(gather, 'axis')}")
     if dtype_of(ids) not in _INDEX_TYPES or ids.shape is None:
@@ -321,7 +322,7 @@ def _classify(m: Match, i: int, ctx: GraphContext, total: ir.Value) -> _Lookup:
         raise Refusal("ids", f"the indices '{ids.name}' come from Cast '{node_name(wrapping)}' to a signed type "
                       "too narrow for the table's rows: wrapped ids are negative, which Gather counts from the end "
                       "and the kernel refuses")
-    return _Lookup(gather, table, ids, kind, dequantized=dq is not None, nodes=nodes)
+    return _Lookup(gather, table, ids, kind, quantized=quantized, dq=dq, nodes=nodes)
 
 
 # ---- a lookup seen through views -----------------------------------------------------------------------------
@@ -597,17 +598,37 @@ def _folded_positions(ctx: GraphContext, value: ir.Value, s: ir.Value) -> _Looku
     return _Lookup(None, table, table, "arange")
 
 
-def _dequantize_table(ctx: GraphContext, dq: ir.Node, table: ir.Value) -> ir.Value:
-    """DequantizeLinear(Gather(q, ids)) = Gather(DequantizeLinear(q), ids) when the scale and zero point are one
-    number each: the table the kernel reads is the dequantized table, a constant subgraph ORT folds at load."""
-    scale, zero = dq.inputs[1], dq.inputs[2]
-    if any(v is None or v.shape is None or any(d != 1 for d in v.shape) for v in (scale, zero)) or \
-            attr_value(dq, "block_size", 0):
-        raise Refusal("quantized", f"DequantizeLinear '{node_name(dq)}' after a lookup is not per tensor; only a "
-                      "per-tensor dequantization commutes with the lookup")
-    node = ctx.node("DequantizeLinear", [table, scale, zero], {}, hint=f"{table.name}_dequantized")
-    node.outputs[0].type = ir.TensorType(dtype_of(scale))
-    node.outputs[0].shape = table.shape
+def _quantized_table(dq: ir.Node | None, after: bool) -> _Quantized | None:
+    """The table a lookup reads as (q, scale, zero point) when ``dq`` dequantizes it: after the Gather
+    (``after``, quantize_dynamic's order) or in front of it (QDQ's). Both are the lookup of the same int8/uint8
+    table when the scale and zero point are one number each: a per-tensor dequantization commutes with the lookup.
+    Refused when the dequantization is not per tensor; None when there is none (a float table)."""
+    if dq is None or not is_op(dq, "DequantizeLinear"):
+        return None
+    where = "after a lookup" if after else "of an embedding table"
+    found = _dequantized([dq.outputs[0]])
+    if found is None or attr_value(dq, "block_size", 0):
+        q = dq.inputs[0]
+        raise Refusal("quantized", f"DequantizeLinear '{node_name(dq)}' {where} is not per tensor int8/uint8 "
+                      f"({dtype_of(q)} {_shape_text(dq.inputs[1])} scale): only one scale and zero point per table "
+                      "commute with the lookup and fit QEmbedLayerNormalization")
+    return found[0]
+
+
+def _shape_text(value: ir.Value | None) -> str:
+    return "no" if value is None else "unknown" if value.shape is None else _fmt(list(value.shape))
+
+
+def _float_table(ctx: GraphContext, lookup: _Lookup) -> ir.Value:
+    """The float table the float kernel reads. A quantized table is only read so when --quantize-embeddings will
+    turn the node into QEmbedLayerNormalization (``_quantized_tables``): dequantized whole, as the kernel's input,
+    it would stay a DequantizeLinear ONNX Runtime does not fold, run at every inference."""
+    if lookup.dq is None:
+        return lookup.table  # a float table, or the graph's own DequantizeLinear in front of the Gather
+    q = lookup.quantized
+    node = ctx.node("DequantizeLinear", [q.tensor, q.scale, q.zero_point], {}, hint=f"{q.tensor.name}_dequantized")
+    node.outputs[0].type = ir.TensorType(dtype_of(q.scale))
+    node.outputs[0].shape = q.tensor.shape
     return node.outputs[0]
 
 
@@ -753,9 +774,11 @@ def _roles(lookups: list[_Lookup]) -> tuple[_Lookup, _Lookup, _Lookup | None]:
 
 
 def _check_table(lookup: _Lookup, hidden: int, dtype: ir.DataType) -> None:
-    shape = lookup.table.shape
-    if shape is None or len(shape) != 2 or shape[1] != hidden or dtype_of(lookup.table) != dtype:
-        raise Refusal("table", f"table '{lookup.table.name}' is {dtype_of(lookup.table)}"
+    # a quantized table: the shape of the int8/uint8 table, the type it is dequantized to
+    table = lookup.quantized.tensor if lookup.quantized else lookup.table
+    shape, found = table.shape, dtype_of(lookup.quantized.scale if lookup.quantized else table)
+    if shape is None or len(shape) != 2 or shape[1] != hidden or found != dtype:
+        raise Refusal("table", f"table '{table.name}' is {found}"
                       f"{'unknown' if shape is None else _fmt(list(shape))}; the kernel needs {dtype}[rows, {hidden}]")
 
 
@@ -784,7 +807,7 @@ def _int32(ctx: GraphContext, ids: ir.Value) -> ir.Value:
 class _Quantized:
     tensor: ir.Value
     scale: ir.Value
-    zero_point: ir.Value
+    zero_point: ir.Value | None  # None: DequantizeLinear's default, 0 in the tensor's type
 
 
 def _dequantized(values: list[ir.Value | None]) -> list[_Quantized] | None:
@@ -793,26 +816,100 @@ def _dequantized(values: list[ir.Value | None]) -> list[_Quantized] | None:
     found = []
     for value in values:
         node = value.producer() if value is not None else None
-        if node is None or not is_op(node, "DequantizeLinear") or len(node.inputs) < 3 or node.inputs[2] is None:
+        if node is None or not is_op(node, "DequantizeLinear") or len(node.inputs) < 2 or \
+                attr_value(node, "block_size", 0):
             return None
-        q, scale, zero = node.inputs[:3]
-        if dtype_of(q) not in (ir.DataType.INT8, ir.DataType.UINT8) or dtype_of(zero) != dtype_of(q):
+        q, scale, zero = (list(node.inputs) + [None])[:3]
+        if dtype_of(q) not in _QUANTIZED or (zero is not None and dtype_of(zero) != dtype_of(q)):
             return None
         # per tensor: scalar (or one-element) scale and zero point
-        if any(v.shape is None or (len(v.shape) != 0 and list(v.shape) != [1]) for v in (scale, zero)):
+        if any(v.shape is None or (len(v.shape) != 0 and list(v.shape) != [1]) for v in (scale, zero) if v):
             return None
         found.append(_Quantized(q, scale, zero))
     return found
 
 
 def _qembed_inputs(ctx: GraphContext, word: _Lookup, segment: _Lookup | None, q: list[_Quantized]) -> list:
+    """The kernel's inputs: ids, segment ids, the five quantized tensors, no mask, their scales and zero points
+    (all of one type, ``_one_type``)."""
     word_q, pos_q = q[0], q[1]
     seg_q = q[2] if segment is not None else None
-    gamma_q, beta_q = q[-2], q[-1]
-    parts = [word_q, pos_q, seg_q, gamma_q, beta_q]
-    return ([_int32(ctx, word.ids), _int32(ctx, segment.ids) if segment else None, word_q.tensor, pos_q.tensor,
-             seg_q.tensor if seg_q else None, gamma_q.tensor, beta_q.tensor, None]
+    parts = _one_type(ctx, [word_q, pos_q, seg_q, q[-2], q[-1]])
+    return ([_int32(ctx, word.ids), _int32(ctx, segment.ids) if segment else None]
+            + [p.tensor if p else None for p in parts] + [None]
             + [p.scale if p else None for p in parts] + [p.zero_point if p else None for p in parts])
+
+
+_QUANTIZED = (ir.DataType.INT8, ir.DataType.UINT8)
+
+
+def _one_type(ctx: GraphContext, parts: list[_Quantized | None]) -> list[_Quantized | None]:
+    """The kernel takes every quantized tensor and zero point in one type (uint8 or int8). The word table's type is
+    kept (the largest tensor keeps its bytes); another part is re-encoded exactly: int8 q with zero point z is
+    uint8 q + 128 with zero point z + 128, the same (q - z) * scale. An absent zero point is DequantizeLinear's 0."""
+    wanted = dtype_of(parts[0].tensor)
+    out: list[_Quantized | None] = []
+    for part in parts:
+        if part is None:
+            out.append(None)
+            continue
+        zero = part.zero_point if part.zero_point is not None else ctx.constant(
+            np.zeros((), dtype_of(part.tensor).numpy()), f"{part.tensor.name}_zero_point")
+        if dtype_of(part.tensor) == wanted:
+            out.append(_Quantized(part.tensor, part.scale, zero))
+            continue
+        arrays = [static_value(part.tensor), static_value(zero)]
+        if any(a is None for a in arrays):
+            raise Refusal("quantized", f"'{part.tensor.name}' is {dtype_of(part.tensor)} where the word table is "
+                          f"{wanted}: QEmbedLayerNormalization takes one type, and a tensor computed at run time "
+                          "cannot be re-encoded")
+        shift = 128 if wanted == ir.DataType.UINT8 else -128
+        tensor, zero = (ctx.constant((a.astype(np.int16) + shift).astype(wanted.numpy()).reshape(a.shape),
+                                     f"{v.name}_{wanted.name.lower()}") for a, v in zip(arrays, (part.tensor, zero)))
+        out.append(_Quantized(tensor, part.scale, zero))
+    return out
+
+
+def _quantized_tables(ctx: GraphContext, tables: list[_Lookup], norm: tuple, read_sums: list[ir.Value],
+                      dtype: ir.DataType) -> tuple[list[_Quantized] | None, list[str]]:
+    """What a block over int8/uint8 tables becomes: QEmbedLayerNormalization over the tables as they are when
+    gamma and beta are quantized per tensor too (exact but for the kernel's rounding), the quantized parts in the
+    kernel's order. The float EmbedLayerNormalization would read each table through a DequantizeLinear of the whole
+    table, which ONNX Runtime does not fold at load (it keeps DequantizeLinear out of constant folding): every run
+    would dequantize every table. So it is written only as the hand-over to --quantize-embeddings, which turns it
+    into QEmbedLayerNormalization (quantizing gamma and beta) after the pass; else the block is refused with why.
+    ``norm``: gamma, beta, and both as quantized parts if they are."""
+    position = tables[1]
+    gamma, beta, gamma_beta = norm
+    why = "EmbedLayerNormalization would read each table through a DequantizeLinear of the whole table, which " \
+        "ONNX Runtime does not fold at load: every run would dequantize the tables"
+    if dtype != ir.DataType.FLOAT:
+        raise Refusal("quantized", f"the tables are quantized and the block computes in {dtype}: "
+                      f"QEmbedLayerNormalization has a float32 kernel only, and {why}")
+    if position.kind != "arange":
+        raise Refusal("quantized", f"the tables are quantized and the positions '{position.ids.name}' are not "
+                      f"provably 0..S-1: QEmbedLayerNormalization takes no position_ids, and {why}")
+    if read_sums:
+        raise Refusal("outputs", f"the tables are quantized and the embedding sum is read elsewhere: "
+                      f"QEmbedLayerNormalization has no embedding_sum output, and {why}")
+    float_parts = [f"table '{lk.table.name}' is float" for lk in tables if lk.quantized is None]
+    if gamma_beta is None:
+        float_parts.append("gamma and beta are float")
+    if not float_parts:
+        return [lk.quantized for lk in tables] + gamma_beta, []
+    # that pass rewrites the main graph, keeps stored quantized tensors and quantizes constant float ones: a block
+    # it would leave as it is would keep the whole-table dequantization
+    stored = [lk.quantized for lk in tables if lk.quantized]
+    floats = [lk.table for lk in tables if lk.quantized is None] + ([] if gamma_beta else [gamma, beta])
+    if ctx.quantize_embeddings and ctx.path == "main" and \
+            all(_stored_constant(q.tensor) and q.zero_point is not None for q in stored) and \
+            all(is_static(v) for v in floats):
+        return None, ["written over the dequantized tables for --quantize-embeddings, which turns it into "
+                      "QEmbedLayerNormalization over the tables as they are"]
+    raise Refusal("quantized", f"the tables are quantized and {' and '.join(float_parts)}: "
+                  "QEmbedLayerNormalization takes them quantized, which changes the numbers, and "
+                  f"{why}; --quantize-embeddings writes QEmbedLayerNormalization over the tables as they are and "
+                  "reports the measured difference")
 
 
 RULE = EmbedNorm()

@@ -3,7 +3,9 @@
 This is the one rewrite that changes numbers on purpose, so it runs only when asked, after fusion, and the report
 says how far the quantized model is from the float one on random valid ids. Tables, gamma and beta are quantized
 per tensor: uint8 asymmetric (zero point anywhere in 0..255) or int8 symmetric (zero point 0), dequantized by the
-kernel as ``(q - zero_point) * scale``. Nodes with position ids or an embedding_sum output are left as they are:
+kernel as ``(q - zero_point) * scale``. A tensor a quantizer already quantized per tensor (the embedding rule hands
+over a block whose tables ``quantize_dynamic`` or a QDQ recipe quantized) keeps its numbers: only the float ones are
+quantized, and all are stored in one type, the kernel's constraint, by an exact re-encoding where needed. Nodes with position ids or an embedding_sum output are left as they are:
 QEmbedLayerNormalization has neither (ONNX Runtime's own quantizer silently drops position_ids).
 """
 
@@ -36,7 +38,11 @@ def quantize_embeddings(model: ir.Model, scheme: str, names: set[str], report: R
             continue
         inputs = list(node.inputs) + [None] * (9 - len(node.inputs))
         ids, seg_ids, word, pos, seg, gamma, beta, mask = inputs[:8]
-        parts = [_quantize(ctx, v, scheme) if v is not None else None for v in (word, pos, seg, gamma, beta)]
+        values = (word, pos, seg, gamma, beta)
+        # a tensor a quantizer already quantized per tensor keeps its numbers, whatever the scheme
+        kept = [_per_tensor(v) if v is not None else None for v in values]
+        parts = _one_type(ctx, [k or (_quantize(ctx, v, scheme) if v is not None else None)
+                                for k, v in zip(kept, values)], _stored_type(kept, scheme))
         qinputs = [ids, seg_ids] + [p[0] if p else None for p in parts] + [mask] + \
             [p[1] if p else None for p in parts] + [p[2] if p else None for p in parts]
         epsilon = node.attributes["epsilon"].value if "epsilon" in node.attributes else 1e-12
@@ -55,7 +61,13 @@ def quantize_embeddings(model: ir.Model, scheme: str, names: set[str], report: R
         graph.insert_after(node, [fused])
         name = old_out.name
         old_out.replace_all_uses_with(fused.outputs[0], replace_graph_outputs=True)
+        # the tables the node read dequantized whole: unread now (the new node reads what they dequantized)
+        unread = [v.producer() for v in inputs[2:7] if v is not None and v.producer() is not None]
         graph.remove(node, safe=True)
+        for producer in dict.fromkeys(unread):
+            if is_op(producer, "DequantizeLinear") and not any(o.uses() or o.is_graph_output()
+                                                                for o in producer.outputs):
+                graph.remove(producer, safe=True)
         fused.outputs[0].name = name
         record = Fused("quantize_embeddings", "QEmbedLayerNormalization", "main", [node.name],
                        {"epsilon": epsilon, "scheme": scheme}, None)
@@ -88,7 +100,8 @@ def _per_tensor(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
     if node is None or not is_op(node, "DequantizeLinear") or len(node.inputs) < 3 or node.inputs[2] is None:
         return None
     q, scale, zero = node.inputs[:3]
-    if q.const_value is None or q.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or zero.dtype != q.dtype:
+    stored = q.const_value is not None or (q.producer() is not None and is_op(q.producer(), "Constant"))
+    if not stored or q.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or zero.dtype != q.dtype:
         return None
     if any(static_value(v) is None or static_value(v).size != 1 for v in (scale, zero)):
         return None
@@ -96,16 +109,7 @@ def _per_tensor(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
 
 
 def _quantize(ctx: GraphContext, value: ir.Value, scheme: str) -> tuple[ir.Value, ir.Value, ir.Value]:
-    quantized = _per_tensor(value)
-    wanted = ir.DataType.INT8 if scheme == "int8" else ir.DataType.UINT8
-    if quantized is not None and quantized[0].dtype == wanted:
-        return quantized  # already quantized per tensor in the scheme's type: kept as it is, exactly
-    if quantized is not None:
-        q, scale, zero = quantized
-        data = (q.const_value.numpy().astype(np.float32) - static_value(zero).astype(np.float32)) * \
-            static_value(scale).astype(np.float32)
-    else:
-        data = static_value(value).astype(np.float32)
+    data = static_value(value).astype(np.float32)
     if scheme == "int8":
         scale = float(np.abs(data).max()) / 127 or 1.0
         zero = 0
@@ -119,6 +123,29 @@ def _quantize(ctx: GraphContext, value: ir.Value, scheme: str) -> tuple[ir.Value
         zp = np.array(zero, dtype=np.uint8)
     return (ctx.constant(q, f"{value.name}_quant"), ctx.constant(np.array(scale, np.float32), f"{value.name}_scale"),
             ctx.constant(zp, f"{value.name}_zero_point"))
+
+
+def _stored_type(kept: list, scheme: str) -> ir.DataType:
+    """The one type the kernel takes its quantized tensors in: that of the tensors a quantizer wrote (the word
+    table's first: the largest keeps its bytes), else the scheme's."""
+    written = [k[0].dtype for k in kept if k is not None]
+    return written[0] if written else (ir.DataType.INT8 if scheme == "int8" else ir.DataType.UINT8)
+
+
+def _one_type(ctx: GraphContext, parts: list, wanted: ir.DataType) -> list:
+    """Every part in the type ``wanted``: a part in the other type is re-encoded exactly (int8 q with zero point z
+    is uint8 q + 128 with zero point z + 128, the same (q - z) * scale)."""
+    shift = 128 if wanted == ir.DataType.UINT8 else -128
+    out = []
+    for part in parts:
+        if part is None or part[0].dtype == wanted:
+            out.append(part)
+            continue
+        q, scale, zero = part
+        q_new, zero_new = ((static_value(v).astype(np.int16) + shift).astype(wanted.numpy()) for v in (q, zero))
+        out.append((ctx.constant(q_new, f"{q.name}_{wanted.name.lower()}"), scale,
+                    ctx.constant(zero_new, f"{zero.name}_{wanted.name.lower()}")))
+    return out
 
 
 def accuracy(float_model: onnx.ModelProto, quantized: onnx.ModelProto) -> dict:

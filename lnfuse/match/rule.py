@@ -77,11 +77,15 @@ def new_nodes(values: Iterable[ir.Value]) -> list[ir.Node]:
 class GraphContext:
     """What a rule may know about the graph it rewrites: its opset, the target, shapes, and fresh names."""
 
-    def __init__(self, graph: ir.Graph | ir.Function, opset: int, target: str, path: str, used_names: set[str]):
+    def __init__(self, graph: ir.Graph | ir.Function, opset: int, target: str, path: str, used_names: set[str],
+                 quantize_embeddings: str | None = None):
         self.graph = graph
         self.opset = opset
         self.target = target
         self.path = path
+        #: the scheme the user asked embedding blocks to be quantized in (``--quantize-embeddings``), if any: a rule
+        #: may then hand over a block that only that pass can finish
+        self.quantize_embeddings = quantize_embeddings
         self._used = used_names
         self._counter = itertools.count()
         self.is_function = isinstance(graph, ir.Function)
