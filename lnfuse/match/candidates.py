@@ -7,6 +7,10 @@ E[x²] − E[x]²) whose value reaches an inverse square root (a root, then a di
 power; Pow −0.5; BatchNormalization's variance input). Each candidate is centred (x − mean appears: a LayerNorm's
 kind) or uncentred (an RMS norm's kind), which says whose refusal explains it.
 
+A quantized model's norms are candidates too: a QuantizeLinear/DequantizeLinear round trip is a view, and a
+QOperator op (QLinearAdd of the variance and epsilon, QLinearMul of d and d...) is read as the float op it computes
+(``lnfuse.match.qoperator``). The rounding steps met inside the norm are recorded: no rule fuses through them.
+
 The search is a bounded walk from each reduction: a few producer steps back to see what is reduced, a few reader
 steps forward to the inverse root. Every walk visits at most a fixed number of nodes, so the whole search is linear
 in the graph's size, and a graph without reductions costs one pass over its nodes.
@@ -54,6 +58,7 @@ class Statistics:
     nodes: list[ir.Node]
     #: the ops from the reductions to the inverse root, as phrases (for the report)
     spelling: list[str] = field(default_factory=list)
+    #: the steps inside the norm that round to an integer grid (quantizers, QOperator ops), where a fused op would not
     quantizers: list[ir.Node] = field(default_factory=list)
 
     @property

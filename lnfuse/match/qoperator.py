@@ -5,11 +5,12 @@ around a float op: it replaces the op by one that reads and writes 8-bit values,
 extra inputs, e.g. ``QLinearAdd(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point)``. Of a
 norm's ops, onnxruntime 1.32's QOperator registry quantizes Add and Mul (the epsilon, a 1/N scaling, a square as
 ``Mul(d, d)``, gamma and beta) and GlobalAveragePool; ReduceMean, Sub, Pow, Sqrt and Div stay float between a
-DequantizeLinear and a QuantizeLinear. ``com.microsoft`` also defines QLinearReduceMean, which other tools write.
+DequantizeLinear and a QuantizeLinear. ``com.microsoft`` also defines QLinearReduceMean (ORT 1.32 has no CPU
+kernel for it and its quantizer does not write it; another tool may).
 
-Such an op computes its float op on the dequantized operands and rounds the result to 8 bits, so it is a rounding
-inside any norm it sits in: the candidate finder reads it as its float op (its operands at the positions below)
-and reports the norm with it as the reason it stays unfused.
+Such an op computes its float op on the dequantized operands and rounds the result to 8 bits: between a norm's
+input and its inverse root, that is a rounding a fused op would not do. The candidate finder reads it as its float op
+(its operands at the positions below) and reports the norm with it as the reason it stays unfused.
 """
 
 from __future__ import annotations
