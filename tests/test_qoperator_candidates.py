@@ -58,13 +58,15 @@ def _lnfuse(*args) -> subprocess.CompletedProcess:
 
 
 @functools.cache
-def _norms_in_float_model(float_file: str) -> frozenset[frozenset[str]]:
-    """The norms of a float sample, as lnfuse's rules fuse them: each one's ReduceMean names."""
+def _norms_in_float_model(float_file: str) -> dict[frozenset[str], frozenset[str]]:
+    """The norms of a float sample, as lnfuse's rules fuse them: each one's ReduceMean names -> all its nodes."""
     model = onnx.load(SAMPLES / float_file)
     reductions = {n.name for n in model.graph.node if n.op_type == "ReduceMean" and n.domain == ""}
     report = lnfuse.fuse(SAMPLES / float_file).report
-    norms = frozenset(frozenset(reductions.intersection(f.nodes)) for f in report.fused if f.rule in NORM_RULES)
-    assert norms and all(norms), "the float sample's norms fuse, each from its reductions"
+    norms = {frozenset(reductions.intersection(f.nodes)): frozenset(f.nodes) for f in report.fused
+             if f.rule in NORM_RULES}
+    assert norms and all(norms) and len(norms) == sum(f.rule in NORM_RULES for f in report.fused), \
+        "the float sample's norms fuse, each from reductions of its own"
     return norms
 
 
@@ -86,14 +88,15 @@ def test_check_counts_each_qoperator_norm_once_with_the_op_that_rounds(sample: s
     code, report = _check(QOPERATOR / sample)
     assert code == 1, "a norm left unfused fails the gate"
     assert len(report["candidates"]) == len(report["unfused"]) == len(norms)
-    assert {_reduce_means(c["nodes"], model) for c in report["candidates"]} == norms, "one candidate per norm"
+    assert {_reduce_means(c["nodes"], model) for c in report["candidates"]} == set(norms), "one candidate per norm"
     for candidate in report["candidates"]:
         assert not candidate["fused"] and candidate["check"] == "quantized", candidate
         named = NAMED.match(candidate["reason"])
         assert named, candidate["reason"]
         op, name, float_op = named.groups()
         assert qlinear.get(name) == op and float_op in ("Add", "Mul"), "the reason names a QLinear node of the model"
-        assert name in candidate["nodes"] or any(name in u["nodes"] for u in report["unfused"])
+        # the quantizer names a QLinear node after the float node it replaced: the op named is this norm's own step
+        assert name.removesuffix("_quant") in norms[_reduce_means(candidate["nodes"], model)], name
         assert "fuse the float model first, then quantize" in candidate["reason"]
 
 
@@ -110,10 +113,13 @@ def test_explain_counts_the_same_norms(sample: str):
 def test_a_rounded_inverse_root_is_inside_the_norm():
     """Only Mul quantized: the epsilon Add stays float, and 1/σ is rounded for the QLinearMul that scales x by it."""
     norms = _norms_in_float_model("llama_tiny_legacy_op14.onnx")
+    model = onnx.load(QOPERATOR / "llama_qop_mul_only.onnx")
     code, report = _check(QOPERATOR / "llama_qop_mul_only.onnx")
     assert code == 1 and len(report["candidates"]) == len(norms)
     for candidate in report["candidates"]:
-        assert candidate["check"] == "quantized" and NAMED.match(candidate["reason"]).group(1) == "QLinearMul"
+        named = NAMED.match(candidate["reason"])
+        assert candidate["check"] == "quantized" and named.group(1) == "QLinearMul", candidate["reason"]
+        assert named.group(2).removesuffix("_quant") in norms[_reduce_means(candidate["nodes"], model)]
 
 
 def test_a_quantized_norm_output_is_not_a_rounding_inside_it():
