@@ -49,7 +49,7 @@ def float_op(node: ir.Node | None) -> str | None:
 
 def operands(node: ir.Node) -> list[ir.Value | None]:
     """The inputs of ``node`` in the float op's order: for a QOperator op, the quantized operands without their
-    scales and zero points (a missing optional one, as Conv's bias, is None)."""
+    scales and zero points."""
     entry = _entry(node)
     if entry is None:
         return list(node.inputs)
