@@ -7,6 +7,10 @@ E[x²] − E[x]²) whose value reaches an inverse square root (a root, then a di
 power; Pow −0.5; BatchNormalization's variance input). Each candidate is centred (x − mean appears: a LayerNorm's
 kind) or uncentred (an RMS norm's kind), which says whose refusal explains it.
 
+A quantized model's norms are candidates too: a QuantizeLinear/DequantizeLinear round trip is a view, and a
+QOperator op (QLinearAdd of the variance and epsilon, QLinearMul of d and d...) is read as the float op it computes
+(``lnfuse.match.qoperator``). The rounding steps met inside the norm are recorded: no rule fuses through them.
+
 The search is a bounded walk from each reduction: a few producer steps back to see what is reduced, a few reader
 steps forward to the inverse root. Every walk visits at most a fixed number of nodes, so the whole search is linear
 in the graph's size, and a graph without reductions costs one pass over its nodes.
@@ -23,6 +27,7 @@ import onnx_ir as ir
 
 from lnfuse.index.constants import static_value
 from lnfuse.index.ops import is_op, onnx_op, op_name
+from lnfuse.match.qoperator import float_op, operand_index, operands, rounds
 
 #: which rule's reasons explain a candidate of each kind (a centred norm is not an RMS near-miss)
 RULE_OF_KIND = {"centred": "layer_norm", "uncentred": "rms_norm"}
@@ -53,6 +58,7 @@ class Statistics:
     nodes: list[ir.Node]
     #: the ops from the reductions to the inverse root, as phrases (for the report)
     spelling: list[str] = field(default_factory=list)
+    #: the steps inside the norm that round to an integer grid (quantizers, QOperator ops), where a fused op would not
     quantizers: list[ir.Node] = field(default_factory=list)
 
     @property
@@ -71,8 +77,8 @@ def find(graph: ir.Graph | ir.Function) -> list[Statistics]:
     """Every norm-like candidate of ``graph`` (not of its subgraphs: each is a scope of its own), in graph order."""
     found = []
     for node in graph:
-        if onnx_op(node) in _FIRST_MOMENT or onnx_op(node) in _SQUARING:
-            if node.domain in ("", "ai.onnx") and (stats := _candidate(node)) is not None:
+        if float_op(node) in _FIRST_MOMENT or float_op(node) in _SQUARING:
+            if (stats := _candidate(node)) is not None:
                 found.append(stats)
     return found
 
@@ -81,7 +87,7 @@ def _candidate(reduce: ir.Node) -> Statistics | None:
     squared = _squared(reduce)
     if squared is None:
         return None
-    base, spell_square = squared
+    base, spell_square, squaring = squared
     centring = _centring(base)
     means = [centring[0]] if centring else []
     spelling = [f"mean {_chain(*centring)}"] if centring else []
@@ -101,7 +107,13 @@ def _candidate(reduce: ir.Node) -> Statistics | None:
             means.append(mean)
     kind = "centred" if means else "uncentred"
     nodes = list(dict.fromkeys([*means, reduce, *path]))
-    quantizers = [n for n in path if is_op(n, "QuantizeLinear")]
+    # every step between the norm's input and the inverse root: a rounding at any of them is inside the norm
+    inside = [*means, *squaring, reduce, *path]
+    if centring:
+        inside += [*centring[1], *_views(base)]
+    if one_pass is not None and not centring:
+        inside += one_pass[1]
+    quantizers = [n for n in dict.fromkeys(inside) if rounds(n)] + _rounded_inverse(inverse)
     return Statistics(kind, reduce, means, inverse, nodes, spelling, quantizers)
 
 
@@ -117,25 +129,40 @@ def _producer(value: ir.Value | None) -> ir.Node | None:
     return node
 
 
+def _views(value: ir.Value | None) -> list[ir.Node]:
+    """The views ``_producer`` looks through from ``value``, nearest first."""
+    passed = []
+    node = value.producer() if value is not None else None
+    while node is not None and len(passed) < _BACK_STEPS and onnx_op(node) in _VIEWS and node.inputs:
+        passed.append(node)
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return passed
+
+
 def _same(a: ir.Value | None, b: ir.Value | None) -> bool:
     """The same tensor, up to views (a Sub that reads x through a Cast the square also reads through)."""
     return a is b or (a is not None and b is not None and (p := _producer(a)) is not None and p is _producer(b))
 
 
-def _squared(reduce: ir.Node) -> tuple[ir.Value, Callable[[str], str]] | None:
-    """What ``reduce`` reduces the square of, and how to spell that given the words for it; None when it is not a
-    second moment."""
-    if not reduce.inputs or reduce.inputs[0] is None:
+def _squared(reduce: ir.Node) -> tuple[ir.Value, Callable[[str], str], list[ir.Node]] | None:
+    """What ``reduce`` reduces the square of, how to spell that given the words for it, and the nodes from the
+    square to the reduction; None when it is not a second moment."""
+    reduced = operands(reduce)[0] if reduce.inputs else None
+    if reduced is None:
         return None
-    if onnx_op(reduce) in _SQUARING:
-        return reduce.inputs[0], lambda d: _call(reduce, d)
-    square = _producer(reduce.inputs[0])
-    if square is None or len(square.inputs) < 2:
+    if float_op(reduce) in _SQUARING:
+        return reduced, lambda d: _call(reduce, d), []
+    square = _producer(reduced)
+    if square is None:
         return None
-    if is_op(square, "Pow") and _constant(square.inputs[1]) == 2.0:
-        return square.inputs[0], lambda d: _call(reduce, f"Pow({d}, 2)")
-    if is_op(square, "Mul") and _same(square.inputs[0], square.inputs[1]):
-        return square.inputs[0], lambda d: _call(reduce, f"Mul({d}, {d})")
+    factors = operands(square)
+    if len(factors) < 2:
+        return None
+    steps = [square, *_views(reduced)]
+    if float_op(square) == "Pow" and _constant(factors[1]) == 2.0:
+        return factors[0], lambda d: _call(reduce, f"Pow({d}, 2)"), steps
+    if float_op(square) == "Mul" and _same(factors[0], factors[1]):
+        return factors[0], lambda d: _call(reduce, f"{op_name(square)}({d}, {d})"), steps
     return None
 
 
@@ -157,17 +184,19 @@ def _mean_behind(value: ir.Value | None, budget: int) -> tuple[ir.Node, list[ir.
     node = value.producer() if value is not None else None
     if node is None or budget <= 0:
         return None
-    if onnx_op(node) in _FIRST_MOMENT:
+    op = float_op(node)
+    if op in _FIRST_MOMENT:
         return node, []
-    if onnx_op(node) in _VIEWS or is_op(node, "Div"):
-        operands = node.inputs[:1]
-    elif is_op(node, "Mul"):
-        operands = [v for v in node.inputs if v is not None and static_value(v) is None] or node.inputs
-    elif is_op(node, "Where"):
-        operands = node.inputs[1:]
+    if op in _VIEWS or op == "Div":
+        scaled = node.inputs[:1]
+    elif op == "Mul":
+        factors = operands(node)
+        scaled = [v for v in factors if v is not None and static_value(v) is None] or factors
+    elif op == "Where":
+        scaled = operands(node)[1:]
     else:
         return None
-    for operand in operands:
+    for operand in scaled:
         found = _mean_behind(operand, budget - 1)
         if found is not None:
             return found[0], [*found[1], node]
@@ -177,11 +206,12 @@ def _mean_behind(value: ir.Value | None, budget: int) -> tuple[ir.Node, list[ir.
 def _square_of_mean(value: ir.Value | None) -> tuple[ir.Node, list[ir.Node]] | None:
     """E[x]² of the one-pass variance: Mul(m, m) or Pow(m, 2), m a mean."""
     node = _producer(value)
-    if node is None or len(node.inputs) < 2:
+    factors = operands(node) if node is not None else []
+    if len(factors) < 2:
         return None
-    if (is_op(node, "Mul") and _same(node.inputs[0], node.inputs[1])) or \
-            (is_op(node, "Pow") and _constant(node.inputs[1]) == 2.0):
-        return _mean_behind(node.inputs[0], _BACK_STEPS)
+    if (float_op(node) == "Mul" and _same(factors[0], factors[1])) or \
+            (float_op(node) == "Pow" and _constant(factors[1]) == 2.0):
+        return _mean_behind(factors[0], _BACK_STEPS)
     return None
 
 
@@ -195,20 +225,48 @@ def _numerator_means(inverse: ir.Node, path: list[ir.Node]) -> list[ir.Node]:
     if is_op(inverse, "Div"):
         scaled.append(inverse.inputs[0])
     else:
-        for reader, index in itertools.islice((use for out in inverse.outputs for use in out.uses()), 8):
-            if onnx_op(reader) in ("Mul", "Div") and len(reader.inputs) == 2:
-                scaled.append(reader.inputs[1 - index])
+        for reader, index in itertools.islice(_readers(inverse), 8):
+            factors, index = operands(reader), operand_index(reader, index)
+            if float_op(reader) in ("Mul", "Div") and len(factors) == 2 and index is not None:
+                scaled.append(factors[1 - index])
     means = []
     for value in scaled:
         node = _producer(value)
-        if node is not None and is_op(node, "Mul"):  # gamma · (x − mean)
-            candidates = [_producer(v) for v in node.inputs]
+        if node is not None and float_op(node) == "Mul":  # gamma · (x − mean)
+            candidates = [_producer(v) for v in operands(node)]
         else:
             candidates = [node]
         for sub in candidates:
             if sub is not None and is_op(sub, "Sub") and (found := _centring(sub.outputs[0])) is not None:
                 means.append(found[0])
     return means
+
+
+def _readers(inverse: ir.Node) -> list[tuple[ir.Node, int]]:
+    """The readers of ``inverse``'s output, and through a quantizer after it, the QOperator op reading its result
+    (1/σ rounded, then multiplied by QLinearMul)."""
+    found = []
+    for reader, index in itertools.islice((use for out in inverse.outputs for use in out.uses()), 8):
+        if is_op(reader, "QuantizeLinear") and reader.outputs:
+            found += itertools.islice(reader.outputs[0].uses(), 8)
+        else:
+            found.append((reader, index))
+    return found
+
+
+def _rounded_inverse(inverse: ir.Node) -> list[ir.Node]:
+    """The quantizers that round 1/σ itself (the inverse root before anything multiplies it), and the QOperator ops
+    that read them. A quantizer after (x − mean) / σ is not one: it rounds the norm's output, as it would round a
+    fused op's."""
+    if not (is_op(inverse, "Reciprocal") or (is_op(inverse, "Pow") and len(inverse.inputs) > 1)
+            or (is_op(inverse, "Div") and _constant(inverse.inputs[0]) is not None)):
+        return []
+    found = []
+    for reader, _ in itertools.islice((use for out in inverse.outputs for use in out.uses()), 8):
+        if is_op(reader, "QuantizeLinear"):
+            found.append(reader)
+            found += [user for user, _ in itertools.islice(reader.outputs[0].uses(), 8) if rounds(user)]
+    return list(dict.fromkeys(found))
 
 
 # ---- looking forward: does it reach an inverse root --------------------------------------------------------------
@@ -225,17 +283,19 @@ def _walk(reduce: ir.Node) -> tuple[ir.Node, list[ir.Node], tuple[ir.Node, list[
     while frontier:
         following = []
         for value, root, path in frontier:
-            for reader, index in value.uses():
-                if (reader, root) in seen or onnx_op(reader) is None:
+            for reader, at in value.uses():
+                # a QOperator op is read as its float op (QLinearAdd of variance and epsilon: an Add that rounds)
+                index = operand_index(reader, at)
+                if (reader, root) in seen or float_op(reader) is None or index is None:
                     continue
                 seen.add((reader, root))
                 if len(seen) > _FORWARD_NODES:  # a value read by thousands of nodes is no norm's statistic
                     return None
-                op = onnx_op(reader)
+                op = float_op(reader)
                 if _reaches_inverse(reader, index, root):
                     return reader, [*path, reader], one_pass
                 if op == "Sub" and index == 0 and one_pass is None:
-                    one_pass = _square_of_mean(reader.inputs[1])
+                    one_pass = _square_of_mean(operands(reader)[1])
                 if op not in _CARRY or reader.outputs[0] is None:
                     continue
                 takes_root = op == "Sqrt" or (op == "Pow" and _constant(reader.inputs[1]) == 0.5)
@@ -293,10 +353,12 @@ def _over(reduce: ir.Node) -> str:
     """'over axis 1 of rank 3', 'over axes [-1]', 'over axes computed at run time'."""
     x = reduce.inputs[0] if reduce.inputs else None
     rank = len(x.shape) if x is not None and x.shape is not None else None
-    if is_op(reduce, "GlobalAveragePool"):
-        axes = list(range(2, rank)) if rank is not None else None
+    if float_op(reduce) == "GlobalAveragePool":
+        last = reduce.attributes.get("channels_last")  # QLinearGlobalAveragePool's NHWC layout
+        channels_last = last is not None and not last.is_ref() and last.value == 1
+        axes = (list(range(1, rank - 1)) if channels_last else list(range(2, rank))) if rank is not None else None
         if axes is None:
-            return "over every axis after the second"
+            return f"over every axis {'but the first and last' if channels_last else 'after the second'}"
     else:
         attr = reduce.attributes.get("axes")
         if attr is not None and not attr.is_ref():

@@ -16,6 +16,7 @@ import onnx_ir as ir
 
 from lnfuse.report import Report, Unfused
 from lnfuse.index.ops import is_op, onnx_op
+from lnfuse.match.qoperator import float_op, is_qoperator
 
 #: ops a QDQ quantizer or an exporter puts between the steps of a norm, which this search looks through
 _PASS = frozenset({"QuantizeLinear", "DequantizeLinear", "Cast"})
@@ -40,10 +41,17 @@ def quantized_norms(model: ir.Model, report: Report) -> list[Unfused]:
 
 
 def rounding_reason(rounding: list[ir.Node]) -> str:
-    """Why a norm with these QuantizeLinear nodes inside stays unfused, and what to do."""
-    return (f"QuantizeLinear '{rounding[0].name}' (and {len(rounding) - 1} more) rounds the norm's intermediates "
-            "to 8 bits; a fused op would not round them, so fusing would change what the model computes: fuse "
-            "the float model first, then quantize (docs/quantized.md)")
+    """Why a norm with these rounding nodes inside stays unfused, and what to do. A QOperator op is named first
+    (QLinearAdd of the variance and epsilon): the step computed in 8 bits, where its QuantizeLinear only feeds it."""
+    named = sorted(rounding, key=lambda n: not is_qoperator(n))
+    first = named[0]
+    if is_qoperator(first):
+        what = (f"{first.op_type} '{first.name}' (a QOperator {float_op(first)}, computed on 8-bit values) and "
+                f"{len(named) - 1} more rounding step(s) round")
+    else:
+        what = f"{first.op_type} '{first.name}' (and {len(named) - 1} more) rounds"
+    return (f"{what} the norm's intermediates to 8 bits; a fused op would not round them, so fusing would change "
+            "what the model computes: fuse the float model first, then quantize (docs/quantized.md)")
 
 
 def _through(value: ir.Value | None) -> ir.Node | None:
