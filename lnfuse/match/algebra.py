@@ -267,7 +267,8 @@ def _scalar(value: ir.Value | None, node: ir.Node, static: dict | None) -> Fract
     if len(shape) > 0 and any(v.shape is None or len(v.shape) < len(shape) for v in others):
         return None
     array = static_value(value, static)
-    if array is None or array.dtype.kind not in "fiu":
+    # bfloat16 is numpy's kind "V" (ml_dtypes), a float all the same: a bf16 norm's exponent is a number
+    if array is None or (array.dtype.kind not in "fiu" and array.dtype != ir.DataType.BFLOAT16.numpy()):
         return None
     number = float(np.asarray(array).reshape(-1)[0])
     if not np.isfinite(number):
