@@ -85,6 +85,19 @@ def test_standard_ops_keep_float16_with_float32_statistics(name):
     _agree(original, model)
 
 
+@pytest.mark.parametrize("name", ["user_ln_var_unbiased_false_dynamo_op18_fp16", "user_ln_var_mean_dynamo_op18_fp16"])
+def test_torch_var_in_float16_through_dynamo_fuses(name):
+    """torch's dynamo exporter computes ``torch.var`` / ``var_mean`` of a float16 tensor in float32 and rounds the
+    mean and the variance back to float16 (``tests/sweep/run_sweep.py --samples sample_models/sweep``): the same
+    form as the converters', one LayerNormalization with ``stash_type=1``."""
+    original = onnx.load(FOLDER.parent / "sweep" / f"{name}.onnx")
+    result = lnfuse.fuse(original)
+    (norm,) = [n for n in result.model.graph.node if n.op_type == "LayerNormalization"]
+    assert {a.name: a.i for a in norm.attribute}.get("stash_type", 1) == 1
+    assert [c.fused for c in result.report.candidates] == [True]
+    _agree(original, result.model)
+
+
 def test_statistics_in_bfloat16_are_not_a_wider_computation():
     """ONNX Runtime's converter with ``use_bfloat16_as_blocked_nodes_dtype=True`` rounds an fp16 norm's
     statistics to bfloat16, three mantissa bits fewer than float16: another function, left as it is."""
