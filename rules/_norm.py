@@ -98,7 +98,8 @@ def check_casts(b: "Boundary") -> None:
     (``Cast16(ReduceMean(Cast32(x)))``); that is the norm with roundings no coarser than its own dtype, which the
     fused op computes with its statistics in ``stash_type``, and verification measures the difference like any
     fusion's. A Cast to a narrower float (float32 statistics rounded to float16), or out of the floats, computes
-    another function: refused. (Casts of integers are shape computations absorbed with the region.)"""
+    another function: refused. A Cast of an integer is skipped: on the norm's values it follows a Cast out of the
+    floats, refused here first; otherwise it computes a shape."""
     for node in b.region:
         if not is_op(node, "Cast") or dtype_of(node.inputs[0]) not in FLOATS:
             continue
