@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from lnfuse.index.budget import OverBudget
 from lnfuse.index.constants import fold, is_static, static_value
-from lnfuse.match.pattern import Either, Match, Op, Pattern, Terms, attr_value, maybe_cast, mono
+from lnfuse.match.pattern import Either, Match, Op, Pattern, Terms, attr_value, maybe_cast, mono, through_casts
 from lnfuse.match.rule import GraphContext, Refusal
 from lnfuse.index.ops import is_op, onnx_op
 
@@ -33,8 +33,11 @@ def mean_over(x: Pattern, name: str) -> Pattern:
     says by how much).
 
     torch's dynamo exporter restores the axes of ``torch.var``/``var_mean`` its own way: a Reshape to the kept shape
-    and an Expand to that same shape (``broadcast_in_dim``); ``reduced_axes`` proves both change no element."""
-    return _kept(Op(("ReduceMean", "ReduceSum"), x, name=name, extra_inputs=True), x, name)
+    and an Expand to that same shape (``broadcast_in_dim``); ``reduced_axes`` proves both change no element.
+
+    The reduction may read x through Casts (``through_casts``): fp16 tools average ``Cast32(x16)`` and subtract the
+    mean from x16 itself."""
+    return _kept(Op(("ReduceMean", "ReduceSum"), through_casts(x), name=name, extra_inputs=True), x, name)
 
 
 def mean_of_square(d: Pattern, square_name: str, name: str) -> Pattern:
@@ -45,7 +48,7 @@ def mean_of_square(d: Pattern, square_name: str, name: str) -> Pattern:
     squared = square(d, square_name)
     sum_square = Op("ReduceSumSquare", squared[0], name=name, extra_inputs=True)
     # Equinox averages the squares in float64 and rounds the mean back: Cast(ReduceMean(Cast(d², double)), float)
-    # (``check_statistic_precision``)
+    # (a Cast the rule proves keeps the norm's precision: ``rules/_norm.py``, ``check_casts``)
     wide = maybe_cast(Terms(mono(1, squared)), f"{name}_wide")
     statistic = Either(mean_over(wide, name), _kept(sum_square, None, name))
     return Either(Op("Cast", statistic, name=f"{name}_narrow"), statistic)
@@ -293,25 +296,6 @@ def scalar(m: Match, name: str, what: str) -> float:
     if np.ndim(array) > (rank if rank is not None else 1):
         raise Refusal(what, f"{what} '{value.name}' has shape {list(np.shape(array))}, which raises the rank")
     return float(flat[0])
-
-
-def check_statistic_precision(m: Match, name: str) -> None:
-    """A statistic computed in a wider float and rounded back to the dtype it was computed from
-    (``Cast(ReduceMean(Cast(d², double)), float)``) is the same statistic, more precisely rounded: the fused op
-    computes it at its stash_type precision instead, and the two differ only by the rounding of the sum, which
-    verification measures like any fusion's. A rounding Cast alone, or a widening one never rounded back, computes
-    the norm in another precision: refused."""
-    wide, narrow = m.node(f"{name}_wide"), m.node(f"{name}_narrow")
-    if wide is None and narrow is None:
-        return
-    if wide is None or narrow is None:
-        cast = narrow or wide
-        raise Refusal("dtype", f"Cast '{node_name(cast)}' changes the precision of the statistic "
-                      f"({dtype_of(cast.inputs[0])} to {cast_target(cast)}) without the Cast that undoes it")
-    source = dtype_of(wide.inputs[0])
-    if not is_widening(source, cast_target(wide)) or cast_target(narrow) != source:
-        raise Refusal("dtype", f"the statistic is computed in {cast_target(wide)} from {source} and cast to "
-                      f"{cast_target(narrow)}: not a wider computation of the same statistic")
 
 
 def check_exponent(m: Match, name: str, expected: float, what: str = "exponent") -> None:

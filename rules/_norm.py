@@ -92,13 +92,25 @@ def check_scales(m: Match, names: tuple[str, ...]) -> float:
     return scale * (float(out) if out is not None else 1.0)
 
 
-def check_inner_casts(m: Match, names: tuple[str, ...]) -> None:
-    """Casts inside the statistics must not round: a narrowing Cast there computes something else."""
-    for name in names:
-        node = m.node(name)
-        if node is not None and not is_widening(dtype_of(node.inputs[0]), cast_target(node)):
-            raise Refusal("dtype", f"Cast '{node_name(node)}' rounds {dtype_of(node.inputs[0])} to "
-                          f"{cast_target(node)} inside the statistics")
+def check_casts(b: "Boundary") -> None:
+    """Every Cast of a float the fused op replaces keeps at least the precision of the norm's input: fp16 tools hold
+    the statistics in float32 with Casts around each op, and round back to float16 between them
+    (``Cast16(ReduceMean(Cast32(x)))``); that is the norm with roundings no coarser than its own dtype, which the
+    fused op computes with its statistics in ``stash_type``, and verification measures the difference like any
+    fusion's. A Cast to a narrower float (float32 statistics rounded to float16), or out of the floats, computes
+    another function: refused. A Cast of an integer is skipped: on the norm's values it follows a Cast out of the
+    floats, refused here first; otherwise it computes a shape."""
+    for node in b.region:
+        if not is_op(node, "Cast") or dtype_of(node.inputs[0]) not in FLOATS:
+            continue
+        source, target = dtype_of(node.inputs[0]), cast_target(node)
+        if target not in FLOATS:
+            raise Refusal("dtype", f"Cast '{node_name(node)}' turns {source} into {target} inside the norm: "
+                          "its statistics are not computed in a float", decided=True)
+        if not is_widening(b.dtype, target):
+            raise Refusal("dtype", f"Cast '{node_name(node)}' rounds {source} to {target} inside the norm, below "
+                          f"the precision of its {b.dtype} input: not a wider computation of the same statistics",
+                          decided=True)
 
 
 def stash_type(dtype: ir.DataType) -> ir.DataType:
@@ -155,6 +167,7 @@ def first_placement(m: Match, write: Callable[[Boundary], Replacement]) -> Repla
     refusal = None
     for boundary in boundaries(m):
         try:
+            check_casts(boundary)
             return write(boundary)
         except Refusal as r:
             refusal = refusal or r

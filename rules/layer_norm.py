@@ -16,9 +16,9 @@ from lnfuse.match.pattern import Either, Match, Op, Terms, Var, attr_value, mayb
 from lnfuse.match.rule import GraphContext, Refusal, Replacement, Rule
 from lnfuse.index.ops import is_op, onnx_op
 from ._common import (FLOATS, SUMS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
-                      check_mean_scale, check_statistic_precision, epsilon, kept_dims, mean_of_square, mean_over,
+                      check_mean_scale, epsilon, kept_dims, mean_of_square, mean_over,
                       node_name, param_as, rank_of, read_outside, readers_outside, reduced_axes, square, trailing_axes)
-from ._norm import (Boundary, Layout, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse,
+from ._norm import (Boundary, Layout, absorb_type_reads, affine, channels_last, check_inverse,
                     check_layouts, check_scales, expose, finish, first_placement, inverse_sqrt, inverse_std_readers,
                     layout_params, scale_input, stash_type, transposed, var_plus_eps)
 
@@ -131,8 +131,6 @@ class LayerNorm(Rule):
         for name in ("sq", "xsq", "msq"):
             check_exponent(m, name, 2.0)
         check_inverse(m)
-        check_statistic_precision(m, "var")
-        check_inner_casts(m, ("sq_cast", "xsq_cast", "msq_cast", "d_cast"))
         scale = check_scales(m, ("scale_x",)) * float(m.fact("d_x", 1.0))
         if scale < 0:
             raise Refusal("operands", "the normalized value is negated: Sub computes mean - x (operands swapped)")
@@ -338,8 +336,6 @@ def _build_batch_norm(m: Match, ctx: GraphContext) -> Replacement:
     _check_bn_mean(m)
     _check_bn_variance(m, h)
     _check_restores_shape(back, x)
-    check_statistic_precision(m, "var")
-    check_inner_casts(m, ("sq_cast",))
     check_exponent(m, "sq", 2.0)
     scale = check_scales(m, ())
     return first_placement(m, lambda b: _write_batch_norm(m, ctx, b, eps, scale))

@@ -13,8 +13,8 @@ import onnx_ir as ir
 from lnfuse.match.pattern import Match, Var, maybe_cast
 from lnfuse.match.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
-                      check_mean_scale, check_statistic_precision, epsilon, mean_of_square, node_name, trailing_axes)
-from ._norm import (Boundary, Layout, absorb_type_reads, affine, channels_last, check_inner_casts, check_inverse,
+                      check_mean_scale, epsilon, mean_of_square, node_name, trailing_axes)
+from ._norm import (Boundary, Layout, absorb_type_reads, affine, channels_last, check_inverse,
                     check_layouts, check_scales, expose, finish, first_placement, inverse_sqrt, inverse_std_readers,
                     layout_params, scale_input, stash_type, transposed, var_plus_eps)
 
@@ -62,8 +62,6 @@ class RmsNorm(Rule):
         eps = epsilon(m)
         check_exponent(m, "sq", 2.0)
         check_inverse(m)
-        check_statistic_precision(m, "var")
-        check_inner_casts(m, ("sq_cast", "d_cast"))
         scale = check_scales(m, ("scale_x",))
         return first_placement(m, lambda b: self._write(m, ctx, b, k, eps, scale, channel, layout))
 

@@ -12,7 +12,10 @@ What is expanded, and why it stays exact:
 - powers multiply exponents only where that holds for every real base, negative and zero included (``(f**2)**0.5``
   is ``|f|``, not ``f``; ``f * f**-1`` is NaN at 0, not 1): see ``_power_ok`` and ``_merge_ok``;
 - a sum or product whose value is also read outside the chain stays a unit (its readers need the value itself, and
-  the region must not swallow it); so does every constant, every other op, and a Cast (which changes precision).
+  the region must not swallow it); so does every constant and every other op;
+- a Cast of a float is read through (``cast_view``): it changes the rounding, not the number, of a value that stays
+  a float. The Casts read are in the region, and a rule proves each keeps at least its norm's precision (a Cast to
+  a narrower float, or to an integer, computes something else: ``rules/_norm.py``, ``check_casts``).
 Factors are compared as computations (two nodes with the same op, attributes and inputs are one factor), so the
 twin ``x - mean`` nodes of old exports still make a square.
 """
@@ -104,8 +107,11 @@ def expand(value: ir.Value, cache: Cache | None = None) -> Expansion:
 
 def power_view(value: ir.Value, static: dict | None = None) -> tuple[ir.Value, Fraction, float, ir.Node] | None:
     """``(base, p, c, node)`` when ``value`` is ``c * base ** p`` by one node: Identity, Sqrt, Reciprocal, Pow,
-    Div(1, base), Neg, or a product or quotient with a one-element constant (``ReduceSum(x) / N``)."""
+    Div(1, base), Neg, a product or quotient with a one-element constant (``ReduceSum(x) / N``), or a Cast the
+    normal form reads through (``cast_view``)."""
     node = value.producer()
+    if node is not None and node.outputs[0] is value and cast_view(node):
+        return node.inputs[0], Fraction(1), 1.0, node
     if node is None or onnx_op(node) not in POWERS or node.outputs[0] is not value:
         return None
     ins = node.inputs
@@ -183,8 +189,32 @@ def _constant_key(value: ir.Value) -> tuple | None:
 
 
 def _is_chain(node: ir.Node | None) -> bool:
-    return node is not None and onnx_op(node) in CHAIN | GUARDS | VIEWS and \
+    return node is not None and (onnx_op(node) in CHAIN | GUARDS | VIEWS or cast_view(node)) and \
         len(node.outputs) == 1
+
+
+#: the dtypes whose Casts the normal form reads through: numbers, whose Cast keeps the number up to rounding
+_NUMBERS = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE,
+                      ir.DataType.INT8, ir.DataType.INT16, ir.DataType.INT32, ir.DataType.INT64,
+                      ir.DataType.UINT8, ir.DataType.UINT16, ir.DataType.UINT32, ir.DataType.UINT64})
+_FLOATS = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE})
+
+
+def cast_view(node: ir.Node | None) -> bool:
+    """A Cast the normal form reads as its input: from a float to a number, or back to a float from a Cast of a
+    float (fp16 tools keep the statistics in float32 with Casts around each op: ``Cast16(ReduceMean(Cast32(x)))``).
+    What it rounds is not the normal form's to judge: each Cast read stays in the region, and the rule refuses one
+    that rounds below the norm's precision or leaves the floats."""
+    if not is_op(node, "Cast") or not node.inputs or node.inputs[0] is None:
+        return False
+    source, to = node.inputs[0], node.attributes.get("to")
+    if source.type is None or to is None or to.is_ref() or ir.DataType(to.value) not in _NUMBERS:
+        return False
+    if source.dtype in _FLOATS:
+        return True
+    inner = source.producer()
+    return source.dtype in _NUMBERS and ir.DataType(to.value) in _FLOATS and inner is not None and \
+        inner.outputs[0] is source and cast_view(inner) and inner.inputs[0].dtype in _FLOATS
 
 
 def _chain(root: ir.Value, static: dict | None) -> set[ir.Node]:
@@ -237,7 +267,8 @@ def _scalar(value: ir.Value | None, node: ir.Node, static: dict | None) -> Fract
     if len(shape) > 0 and any(v.shape is None or len(v.shape) < len(shape) for v in others):
         return None
     array = static_value(value, static)
-    if array is None or array.dtype.kind not in "fiu":
+    # bfloat16 is numpy's kind "V" (ml_dtypes), a float all the same: a bf16 norm's exponent is a number
+    if array is None or (array.dtype.kind not in "fiu" and array.dtype != ir.DataType.BFLOAT16.numpy()):
         return None
     number = float(np.asarray(array).reshape(-1)[0])
     if not np.isfinite(number):
@@ -304,7 +335,7 @@ def transposed_top(value: ir.Value, views: tuple[ir.Node, ...]) -> ir.Value | No
 def _expand_node(node: ir.Node, walk: _Walk) -> list[Monomial] | None:
     op = onnx_op(node)
     ins = node.inputs
-    if op == "Identity":
+    if op == "Identity" or cast_view(node):
         return _expand(ins[0], walk)
     if op in GUARDS:
         return _guarded(node, walk)

@@ -450,6 +450,34 @@ class ThroughNoOps(Pattern):
             yield from self.inner.match(value, m)
 
 
+class ThroughCasts(Pattern):
+    """``p`` at the value, or at the value a chain of Casts the normal form reads through (``algebra.cast_view``)
+    computes it from, nearest first: a reduction of ``Cast32(x16)`` is a reduction of x, held wider (fp16 tools
+    widen each statistic's input). The Casts are part of the match; the rule proves none rounds below the norm's
+    precision, as for every Cast the normal form reads."""
+
+    def __init__(self, inner: Pattern):
+        self.inner = inner
+        self.name = None
+
+    def root_ops(self) -> frozenset[str] | None:
+        inner = self.inner.root_ops()
+        return None if inner is None else inner | {"Cast"}
+
+    def _match(self, value, m):
+        for _ in range(_MAX_NOOPS):
+            yield from self.inner.match(value, m)
+            node = value.producer() if value is not None else None
+            if node is None or node.outputs[0] is not value or not algebra.cast_view(node):
+                return
+            m, value = m.add_node(node, None), node.inputs[0]
+
+
+def through_casts(p: Pattern) -> Pattern:
+    """``p``, or ``p`` read through the Casts in front of it (``ThroughCasts``)."""
+    return ThroughCasts(p)
+
+
 def noop_in_doubt(value: ir.Value | None, depth: int = 8) -> bool:
     """Whether ``value`` is computed through a Cast or Reshape that ``noop_source`` could not prove a no-op for want
     of what onnx's inference left unknown (its input's dtype, or a dim of its input's shape), within ``depth`` ops

@@ -46,7 +46,9 @@ EXPORTS = [("legacy", 14), ("legacy", 17), ("dynamo", 18), ("dynamo", 23)]
 TEXT_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids")
 # the exports tests/test_sweep_spellings.py reads (sample_models/sweep/, written by --samples)
 SAMPLES = [("user_ln_var_unbiased_false", "dynamo", 18), ("user_ln_var_mean", "dynamo", 18),
-           ("user_ln_hand_fp32", "dynamo", 23)]
+           ("user_ln_hand_fp32", "dynamo", 23),
+           # float16: torch keeps these statistics in float32 and rounds them back (tests/test_mixed_precision.py)
+           ("user_ln_var_unbiased_false", "dynamo", 18, "fp16"), ("user_ln_var_mean", "dynamo", 18, "fp16")]
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -253,10 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.samples:
         args.samples.mkdir(parents=True, exist_ok=True)
-        for name, exporter, opset in SAMPLES:
-            proto = export(build(name, "fp32"), exporter, opset)
+        for name, exporter, opset, *dtype in SAMPLES:
+            dtype = dtype[0] if dtype else "fp32"
+            proto = export(build(name, dtype), exporter, opset)
             onnx.checker.check_model(proto, full_check=True)
-            onnx.save_model(proto, str(args.samples / f"{name}_{exporter}_op{opset}.onnx"))
+            suffix = "" if dtype == "fp32" else f"_{dtype}"
+            onnx.save_model(proto, str(args.samples / f"{name}_{exporter}_op{opset}{suffix}.onnx"))
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.save:
