@@ -53,11 +53,13 @@ NONE = MappingProxyType({source: {} for source in SOURCES})
 class Expected:
     """What lnfuse should make of a recipe's models: fused op counts per source under the default policy and with
     ``allow_requantization``; ``refused_by``: the quantizer op types a norm left unfused names (empty: the norm is
-    left for another reason, or none is left); ``dtype``: what the model computes in."""
+    left for another reason, or none is left); ``quantizes``: the models hold quantizers of float activations;
+    ``dtype``: what the model computes in."""
 
     default: MappingProxyType
     allowed: MappingProxyType
     refused_by: tuple[str, ...] = ()
+    quantizes: bool = True
     dtype: str = "float32"
 
 
@@ -74,12 +76,12 @@ EXPECTED = MappingProxyType({
     # QLinearAdd/QLinearMul inside every norm; target (e): the norms are candidates (today none is found)
     "qoperator": Expected(NONE, NONE),
     # the 4-bit kernel computes in float at the default accuracy level: nothing quantizes an activation
-    "nbits": Expected(FULL, FULL),
+    "nbits": Expected(FULL, FULL, quantizes=False),
     # target: at accuracy_level 4 the kernel quantizes its float input to int8; today every norm fuses
     "nbits_acc4": Expected(TAIL, FULL, ("MatMulNBits",)),
-    "fp16": Expected(FULL, FULL, dtype="float16"),
+    "fp16": Expected(FULL, FULL, quantizes=False, dtype="float16"),
     # target: statistics kept in fp32 by op_block_list (Casts around them) fuse like the plain fp16 ones
-    "fp16_blocked": Expected(FULL, FULL, dtype="float16"),
+    "fp16_blocked": Expected(FULL, FULL, quantizes=False, dtype="float16"),
 })
 CASES = [(source, recipe) for source in SOURCES for recipe in RECIPES]
 INPUT_SETS = 16
@@ -94,13 +96,15 @@ def _ids(case: tuple[str, str]) -> str:
     return f"{case[0].split('_')[0]}-{case[1]}"
 
 
-def _is_quantizer(node: onnx.NodeProto) -> bool:
+def _quantized_inputs(node: onnx.NodeProto) -> list[str]:
+    """The inputs of ``node`` it quantizes, or reads quantized already (a QOperator op): none for other ops."""
     domain = "" if node.domain in ("", "ai.onnx") else node.domain
     if (domain, node.op_type) in QUANTIZERS:
-        return True
+        return list(node.input[:1])
     if (domain, node.op_type) == ("com.microsoft", "MatMulNBits"):
-        return any(a.name == "accuracy_level" and a.i == 4 for a in node.attribute)
-    return node.op_type.startswith("QLinear") or (domain == "com.microsoft" and node.op_type.startswith("Q"))
+        return list(node.input[:1]) if any(a.name == "accuracy_level" and a.i == 4 for a in node.attribute) else []
+    qoperator = node.op_type.startswith("QLinear") or (domain == "com.microsoft" and node.op_type.startswith("Q"))
+    return list(node.input) if qoperator else []
 
 
 def quantized_values(model: onnx.ModelProto) -> dict[tuple[str, int], str]:
@@ -112,9 +116,8 @@ def quantized_values(model: onnx.ModelProto) -> dict[tuple[str, int], str]:
                                                                for o in n.output}
     found: dict[tuple[str, int], str] = {}
     for node in model.graph.node:
-        if _is_quantizer(node):
-            reads = node.input[:1] if not node.op_type.startswith("Q") else node.input
-            found.update({(node.name, i): name for i, name in enumerate(reads) if name and name not in constants})
+        found.update({(node.name, i): name for i, name in enumerate(_quantized_inputs(node))
+                      if name and name not in constants})
     return found
 
 
@@ -194,47 +197,15 @@ class Runs:
     optimized: list[tuple[dict, dict]]
 
 
-class Zoo:
-    """Fuse results and runs shared by the tests of one worker: each model is fused once per policy, run once."""
-
-    def __init__(self) -> None:
-        self.results: dict[tuple[str, str, bool], lnfuse.api.FuseResult] = {}
-        self.norms: dict[str, int] = {}
-        self.ran: dict[tuple[str, str], Runs] = {}
-
-    def fused(self, source: str, recipe: str, allow_requantization: bool = False) -> lnfuse.api.FuseResult:
-        key = (source, recipe, allow_requantization)
-        if key not in self.results:
-            self.results[key] = lnfuse.fuse(ZOO / zoo_name(source, recipe),
-                                            allow_requantization=allow_requantization)
-        return self.results[key]
-
-    def runs(self, source: str, recipe: str) -> Runs:
-        if (source, recipe) not in self.ran:
-            original, fused = onnx.load(ZOO / zoo_name(source, recipe)), self.fused(source, recipe).model
-            watched = watches(original, fused)
-            sets = input_sets(original)
-            ran = {}
-            for optimized in (False, True) if watched else (False,):
-                before = session(exposing(original, {w.before for w in watched}), optimized)
-                after = session(exposing(fused, {w.after for w in watched if w.after}), optimized)
-                ran[optimized] = [(_named(before, feed), _named(after, feed)) for feed in sets]
-            self.ran[source, recipe] = Runs(watched, [o.name for o in original.graph.output], ran[False],
-                                            ran.get(True, []))
-        return self.ran[source, recipe]
-
-    def norms_present(self, source: str) -> int:
-        """The norms of the float source: all it reports as candidates, every one of them fused."""
-        if source not in self.norms:
-            report = lnfuse.fuse(SAMPLES / f"{source}.onnx").report
-            assert report.candidates and all(c.fused for c in report.candidates), report.explain()
-            self.norms[source] = len(report.candidates)
-        return self.norms[source]
-
-
-@pytest.fixture(scope="session")
-def zoo() -> Zoo:
-    return Zoo()
+def run_both(original: onnx.ModelProto, fused: onnx.ModelProto) -> Runs:
+    watched = watches(original, fused)
+    sets = input_sets(original)
+    ran = {}
+    for optimized in (False, True) if watched else (False,):
+        before = session(exposing(original, {w.before for w in watched}), optimized)
+        after = session(exposing(fused, {w.after for w in watched if w.after}), optimized)
+        ran[optimized] = [(_named(before, feed), _named(after, feed)) for feed in sets]
+    return Runs(watched, [o.name for o in original.graph.output], ran[False], ran.get(True, []))
 
 
 def _fused_norm_ops(model: onnx.ModelProto) -> dict[str, int]:
@@ -242,9 +213,10 @@ def _fused_norm_ops(model: onnx.ModelProto) -> dict[str, int]:
     return {op: counts[op] for op in sorted(counts) if op.endswith("LayerNormalization") or op == "RMSNormalization"}
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_the_fused_model_is_well_formed(zoo: Zoo, case: tuple[str, str]) -> None:
-    fused = zoo.fused(*case).model
+# ---- the properties, each raising AssertionError with what it saw ---------------------------------------------------
+
+def well_formed(fused: onnx.ModelProto) -> None:
+    """(a) onnx's full check, or ONNX Runtime loads it where only ONNX Runtime runs its ops."""
     opset = next(o.version for o in fused.opset_import if o.domain in ("", "ai.onnx"))
     if any(only_ort_runs(n.domain, n.op_type, opset) for n in fused.graph.node):
         session(fused, optimized=True)
@@ -252,13 +224,9 @@ def test_the_fused_model_is_well_formed(zoo: Zoo, case: tuple[str, str]) -> None
         onnx.checker.check_model(fused, full_check=True)
 
 
-#: the recipes whose models hold quantizers of float activations
-QUANTIZING = [c for c in CASES if quantized_values(onnx.load(ZOO / zoo_name(*c)))]
-
-
-@pytest.mark.parametrize("case", QUANTIZING, ids=_ids)
-def test_no_value_entering_a_quantizer_moves(zoo: Zoo, case: tuple[str, str]) -> None:
-    runs = zoo.runs(*case)
+def no_quantizer_input_moves(runs: Runs) -> None:
+    """(b) every value a quantizer reads is bitwise the same, on every input set, ORT optimizations off and on."""
+    assert runs.watched, "the recipe's model holds quantizers"
     lost = sorted({f"{w.quantizer} reading {w.before!r}" for w in runs.watched if w.after is None})
     assert not lost, f"values quantizers read are gone from the fused model: {lost}"
     for optimized, pairs in (("off", runs.plain), ("on", runs.optimized)):
@@ -274,39 +242,77 @@ def test_no_value_entering_a_quantizer_moves(zoo: Zoo, case: tuple[str, str]) ->
                                f"batch and sequence {next(iter(want.values())).shape[:2]}): {moved}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_the_outputs_agree(zoo: Zoo, case: tuple[str, str]) -> None:
-    runs = zoo.runs(*case)
+def outputs_agree(runs: Runs, dtype: str) -> None:
+    """(c) the graph outputs, within the tolerance of the dtype the model computes in."""
     for want, got in runs.plain:
         for name in runs.outputs:
-            np.testing.assert_allclose(got[name], want[name], **tolerance(EXPECTED[case[1]].dtype), err_msg=name)
+            np.testing.assert_allclose(got[name], want[name], **tolerance(dtype), err_msg=name)
 
 
-#: the recipes where a quantizer decides what fuses, with and without allow_requantization
-POLICIES = [(c, allow) for c in CASES for allow in (False, True) if EXPECTED[c[1]].refused_by or not allow]
-
-
-@pytest.mark.parametrize(("case", "allow_requantization"), POLICIES,
-                         ids=[f"{_ids(c)}-{'allowed' if a else 'default'}" for c, a in POLICIES])
-def test_the_fused_ops_are_the_recipes(zoo: Zoo, case: tuple[str, str], allow_requantization: bool) -> None:
-    source, recipe = case
+def fused_as_expected(result: lnfuse.api.FuseResult, source: str, recipe: str, allow_requantization: bool) -> None:
+    """(d) the fused ops of ``EXPECTED``; a norm left because of a quantizer names the quantizer."""
     expected = EXPECTED[recipe]
-    result = zoo.fused(source, recipe, allow_requantization)
     want = (expected.allowed if allow_requantization else expected.default)[source]
-    assert _fused_norm_ops(result.model) == want, result.report.explain()
+    got = _fused_norm_ops(result.model)
+    assert got == want, f"fused {got}, expected {want}:\n{result.report.explain()}"
     if allow_requantization or not expected.refused_by:
         return
     original = onnx.load(ZOO / zoo_name(source, recipe))
     quantizers = [f"'{n.name}'" for n in original.graph.node if n.op_type in expected.refused_by]
     for candidate in (c for c in result.report.candidates if not c.fused):
-        assert any(op in candidate.reason for op in expected.refused_by), candidate
-        assert any(name in candidate.reason for name in quantizers), f"names the quantizer: {candidate.reason}"
+        assert any(op in candidate.reason for op in expected.refused_by), f"names no quantizer: {candidate.reason}"
+        assert any(name in candidate.reason for name in quantizers), f"names no quantizer: {candidate.reason}"
+
+
+def every_norm_a_candidate(report: lnfuse.Report, norms: int) -> None:
+    """(e) explain and check count every norm of the float model, fused or left."""
+    assert len(report.candidates) == norms, f"{len(report.candidates)} candidates, {norms} norms:\n{report.explain()}"
+
+
+@pytest.fixture(scope="session")
+def norms_present() -> dict[str, int]:
+    """The norms of each float source: all it reports as candidates, every one of them fused."""
+    found = {}
+    for source in SOURCES:
+        report = lnfuse.fuse(SAMPLES / f"{source}.onnx").report
+        assert report.candidates and all(c.fused for c in report.candidates), report.explain()
+        found[source] = len(report.candidates)
+    return found
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_every_norm_is_a_candidate(zoo: Zoo, case: tuple[str, str]) -> None:
-    report = zoo.fused(*case).report
-    assert len(report.candidates) == zoo.norms_present(case[0]), report.explain()
+def test_a_zoo_model_fused_under_the_default_policy(case: tuple[str, str], norms_present: dict[str, int]) -> None:
+    """(a) to (e) on one fused model, run once (one test, so that a worker fuses and runs each model once); the
+    failure names every property that does not hold."""
+    source, recipe = case
+    original = onnx.load(ZOO / zoo_name(source, recipe))
+    result = lnfuse.fuse(ZOO / zoo_name(source, recipe))
+    runs = run_both(original, result.model)
+    checks = {
+        "(a) well-formed": lambda: well_formed(result.model),
+        "(b) no value entering a quantizer moves": lambda: no_quantizer_input_moves(runs),
+        "(c) outputs agree": lambda: outputs_agree(runs, EXPECTED[recipe].dtype),
+        "(d) fused as the recipe's row says": lambda: fused_as_expected(result, source, recipe, False),
+        "(e) every norm is a candidate": lambda: every_norm_a_candidate(result.report, norms_present[source]),
+    }
+    if not EXPECTED[recipe].quantizes:
+        assert not runs.watched, "no quantizer in a recipe that quantizes no activation"
+        del checks["(b) no value entering a quantizer moves"]
+    failed = {}
+    for name, check in checks.items():
+        try:
+            check()
+        except AssertionError as error:
+            failed[name] = str(error)
+    if failed:
+        pytest.fail("\n\n".join(f"{name}: {text}" for name, text in failed.items()), pytrace=False)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if EXPECTED[c[1]].refused_by], ids=_ids)
+def test_allow_requantization_fuses_what_the_recipe_allows(case: tuple[str, str]) -> None:
+    result = lnfuse.fuse(ZOO / zoo_name(*case), allow_requantization=True)
+    well_formed(result.model)
+    fused_as_expected(result, *case, allow_requantization=True)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
