@@ -156,8 +156,8 @@ def make(source: str, recipe: str, folder: Path) -> Path:
         staged = Path(tmp) / out.name
         RECIPES[recipe](HERE / f"{source}.onnx", staged)
         model = onnx.load(staged)
-    save_checked(model, out, any_node_order=recipe in UNSORTED)
     ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    save_checked(model, out, any_node_order=recipe in UNSORTED)
     return out
 
 
