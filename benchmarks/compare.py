@@ -111,7 +111,7 @@ class Outcome:
 # =========================================================================== the tools
 
 
-def _quiet() -> contextlib.ExitStack:
+def quiet() -> contextlib.ExitStack:
     """Tools print progress and warnings (stdout, logging); keep them out of the table."""
     stack = contextlib.ExitStack()
     stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
@@ -264,7 +264,7 @@ def reference(path: Path) -> Reference:
 def measure(tool: str, case: Case, ref: Reference) -> Outcome:
     outcome = Outcome(tool=tool, model=case.name)
     try:
-        with _quiet():
+        with quiet():
             start = time.perf_counter()
             result = TOOLS[tool](case.path, case.decoder)
             outcome.seconds = time.perf_counter() - start
@@ -278,7 +278,7 @@ def measure(tool: str, case: Case, ref: Reference) -> Outcome:
     outcome.checker_ok = checker_passes(result)
     outcome.checker_passes = int(outcome.checker_ok)
     try:
-        with _quiet():
+        with quiet():
             outcome.max_diff = max_abs_diff(ref.outputs, session(result).run(None, ref.feeds))
     except Exception as exc:  # noqa: BLE001 - e.g. the result does not load in ORT
         outcome.error, outcome.errors = one_line(exc).replace("error:", "error (running result):", 1), 1
@@ -362,7 +362,7 @@ def warm_up(tools: list[str], cases: list[Case]) -> None:
     """One untimed run per tool, so the first timed model does not pay for imports and first-session setup."""
     for case in cases:
         for tool in tools:
-            with contextlib.suppress(Exception), _quiet():
+            with contextlib.suppress(Exception), quiet():
                 TOOLS[tool](case.path, case.decoder)
 
 

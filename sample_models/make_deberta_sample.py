@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import DebertaV2Config, DebertaV2Model
 
-from make_quantized import save_checked
+from checked import save_checked
 
 OUT = Path(__file__).resolve().parent / "deberta_v2_tiny_dynamo_op18.onnx"
 

@@ -25,6 +25,8 @@ from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantT
                                       quantize_static)
 from transformers import BertConfig, BertModel
 
+from checked import save_checked
+
 HERE = Path(__file__).resolve().parent
 VOCAB, SEQ = 100, 8
 
@@ -85,14 +87,6 @@ def main() -> None:
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
     for path in (dynamic, qdq):
         save_checked(onnx.load(path), path)
-
-
-def save_checked(model: onnx.ModelProto, path: Path) -> None:
-    """Save a sample after the full check, at an IR version older ONNX Runtime releases read too."""
-    model.ir_version = min(model.ir_version, 10)
-    onnx.checker.check_model(model, full_check=True)
-    onnx.save(model, path)
-    print(f"wrote {path.name} ({path.stat().st_size // 1024} KB)")
 
 
 if __name__ == "__main__":
