@@ -48,6 +48,10 @@ FULL = MappingProxyType({
 #: GPT-2's last norm (with its residual Add), which feeds the graph output; LLaMA's last norm feeds lm_head
 TAIL = MappingProxyType({BERT: {"SkipLayerNormalization": 1}, GPT2: {"SkipLayerNormalization": 1}, LLAMA: {}})
 NONE = MappingProxyType({source: {} for source in SOURCES})
+#: quantize_dynamic's 8-bit tables with float gamma and beta: the embedding norm stays a SkipLayerNormalization
+#: (no EmbedLayerNormalization over a whole dequantized table, no quantized gamma unless asked)
+QUANTIZED_TABLES = MappingProxyType({BERT: {"SkipLayerNormalization": 5}, GPT2: {"SkipLayerNormalization": 5},
+                                     LLAMA: FULL[LLAMA]})
 
 
 @dataclass(frozen=True)
@@ -64,24 +68,23 @@ class Expected:
     dtype: str = "float32"
 
 
-# Rows marked "target" are the issue's policy (a rewrite whose changed values can reach a quantizer through float
-# ops is refused, whatever a sample shows), not yet today's behaviour on main.
+# A rewrite whose changed values can reach a quantizer is refused, whatever a sample shows (docs/quantized.md).
 EXPECTED = MappingProxyType({
-    # target: today every norm fuses, DynamicQuantizeLinear is not seen as a quantizer
-    "dynamic": Expected(TAIL, FULL, ("DynamicQuantizeLinear",)),
-    "dynamic_channel": Expected(TAIL, FULL, ("DynamicQuantizeLinear",)),
+    # DynamicQuantizeLinear is a quantizer: only the norms after the last quantized MatMul fuse by default
+    "dynamic": Expected(TAIL, QUANTIZED_TABLES, ("DynamicQuantizeLinear",)),
+    "dynamic_channel": Expected(TAIL, QUANTIZED_TABLES, ("DynamicQuantizeLinear",)),
     # Q/DQ pairs round inside every norm: no fused op computes that, allowed or not
     "qdq": Expected(NONE, NONE, ("QuantizeLinear",)),
-    # target for LLaMA: today two SimplifiedLayerNormalization fuse, bit-exact on the verification inputs
+    # LLaMA's two norms that were bit-exact on the verification inputs stay too: a sample clears nothing
     "qdq_matmul": Expected(TAIL, FULL, ("QuantizeLinear",)),
-    # QLinearAdd/QLinearMul inside every norm; target (e): the norms are candidates (today none is found)
+    # QLinearAdd/QLinearMul inside every norm: each is a candidate, left with the QLinear op that rounds
     "qoperator": Expected(NONE, NONE),
     # the 4-bit kernel computes in float at the default accuracy level: nothing quantizes an activation
     "nbits": Expected(FULL, FULL, quantizes=False),
-    # target: at accuracy_level 4 the kernel quantizes its float input to int8; today every norm fuses
+    # at accuracy_level 4 the kernel quantizes its float input to int8
     "nbits_acc4": Expected(TAIL, FULL, ("MatMulNBits",)),
     "fp16": Expected(FULL, FULL, quantizes=False, dtype="float16"),
-    # target: statistics kept in fp32 by op_block_list (Casts around them) fuse like the plain fp16 ones
+    # statistics kept in fp32 by op_block_list (Casts around them) fuse like the plain fp16 ones
     "fp16_blocked": Expected(FULL, FULL, quantizes=False, dtype="float16"),
 })
 CASES = [(source, recipe) for source in SOURCES for recipe in RECIPES]
