@@ -189,7 +189,8 @@ def _undecided(rule: Rule, found: _Pass, kept: list[_Candidate], stats: list[sta
     if rule.settles_for_less and any(_run_time_inputs(c.replacement) > 1 for c in kept):
         return f"{rule.name} fused ops that read several run-time tensors"
     fused = {node for c in kept for node in c.replacement.region}
-    left = [s for s in stats if s.rule == rule.name and s.square.graph is not None
+    # a statistic rounded inside (QDQ, QOperator) is left whatever the shapes: no rule fuses through rounding
+    left = [s for s in stats if s.rule == rule.name and s.square.graph is not None and not s.quantizers
             and not fused.issuperset([s.square, *s.means])]
     if left:
         return f"{rule.name} left {len(left)} norm-like statistic(s) unmatched"
