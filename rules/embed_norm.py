@@ -191,6 +191,7 @@ class EmbedNorm(Rule):
             raise Refusal("dtype", f"the kernel takes float32/float16 with a known hidden size, not {dtype} "
                           f"[..., {hidden}]")
         lookups = [_classify(m, i, ctx, s) for i in range(3) if m.node(f"gather{i}") is not None]
+        _check_some_full(lookups, s)
         folded = [i for i in range(3) if m.value(f"folded{i}") is not None]
         if len(folded) > 1:
             raise Refusal("terms", "the embedding sum has more than one constant term")
@@ -858,6 +859,20 @@ def _is_arange_slice(node: ir.Node, rows, depth: int) -> bool:
     if steps is not None and steps.reshape(-1)[0] != 1:
         return False
     return _is_arange(data, rows, depth + 1)
+
+
+def _check_some_full(lookups: list[_Lookup], s: ir.Value) -> None:
+    """Some lookup's ids must be the sum's [batch, sequence]; when several lookups read 2-D ids and none is proven
+    so, the sum is a broadcast of ids whose shapes nothing relates (tf2onnx names each graph input's dims apart: a
+    BERT's token and segment ids), and the kernel takes input and segment ids of one shape."""
+    two_d = [lk for lk in lookups if lk.ids.shape is not None and len(lk.ids.shape) == 2]
+    if len(two_d) < 2 or any(lk.kind == "full" for lk in lookups):
+        return
+    names = " and ".join(f"'{lk.ids.name}'" for lk in two_d)
+    raise Refusal("ids", f"the embedding sum's dims {_fmt(list(s.shape))} are a broadcast of the lookups of {names} "
+                  "that shape inference assumed, not proved (their ids come from inputs whose dims nothing in the graph "
+                  "relates): no ids are proven its [batch, sequence], and the kernel takes input and segment ids of "
+                  "one shape")
 
 
 def _roles(lookups: list[_Lookup]) -> tuple[_Lookup, _Lookup, _Lookup | None]:

@@ -156,3 +156,15 @@ def test_statistic_read_by_something_else_is_refused():
                                providers=["CPUExecutionProvider"]).run(None, feeds)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_bert_segment_ids_of_unrelated_shape_say_so():
+    """keras-hub's BERT: token and segment ids are two inputs whose dims tf2onnx names apart, so nothing proves them
+    one shape (the kernel's requirement; the original broadcasts [B, 1] segment ids). The embeddings stay a
+    LayerNormalization, and the reason says it is the ids, not the sliced positions."""
+    result = _fused("tf_bert")
+    assert not _nodes(result.model, "EmbedLayerNormalization")
+    kept = [u for u in result.report.kept if u.rule == "embed_norm"]
+    assert kept and kept[0].check == "ids" and "segment ids of one shape" in kept[0].reason, kept
+    feeds, expected = _data("tf_bert")
+    np.testing.assert_allclose(_run(result.model, feeds), expected, rtol=RTOL, atol=ATOL)
