@@ -2,7 +2,7 @@
 (issue 28): the position embedding that slices its table, and LayerNorms that share their statistics.
 
 Venv and versions: tensorflow-cpu 2.21.0 with keras 3.15.1, keras-hub 0.32.0, tf2onnx 1.17.0, onnx 1.23.2,
-onnxruntime 1.32.0 (keras-hub pulls tensorflow-text 2.21.1); JAX: jax/jaxlib 0.12.0.1, jax2onnx 0.17.1, the same
+onnxruntime 1.32.0 (keras-hub pulls tensorflow-text 2.21.1); JAX: jax/jaxlib 0.10.2, jax2onnx 0.17.1, the same
 keras and keras-hub:
     python -m venv /work/venv-tf && /work/venv-tf/bin/pip install tensorflow-cpu==2.21.0 keras==3.15.1 \\
         keras-hub==0.32.0 tf2onnx==1.17.0 onnxruntime
@@ -33,6 +33,7 @@ Near-misses (a custom Keras layer slicing the table otherwise; must NOT become a
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -73,7 +74,9 @@ def export(name: str, model, data: dict[str, np.ndarray]) -> None:
         try:
             model.export(path, format="onnx", verbose=False, input_signature=_signature(model, data))
         except Exception as exc:  # recorded in versions.json, not kept
-            failed[f"{PREFIX}_{name}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            said = " ".join(line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines()
+                            if line.strip())
+            failed[f"{PREFIX}_{name}"] = f"{type(exc).__name__}: {said[:300]}"
             print(f"{PREFIX}_{name}: NOT EXPORTED: {failed[f'{PREFIX}_{name}']}", flush=True)
             return
         proto = onnx.load(path)
