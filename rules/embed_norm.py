@@ -690,9 +690,11 @@ def _sliced_positions(m: Match, i: int, s: ir.Value) -> _Lookup:
                                                           for a in axes.reshape(-1)]
     steps = [1] * len(starts) if steps is None else [int(v) for v in steps.reshape(-1)]
     ends = None if inputs[2] is None else _shape_vector(inputs[2])
-    if any(a not in (0, 1) for a in axes) or len(steps) != len(starts) or len(axes) != len(starts):
+    if any(a not in (0, 1) for a in axes) or len(set(axes)) != len(axes) or len(steps) != len(starts) or \
+            len(axes) != len(starts):
         raise Refusal("positions", f"Slice '{node_name(node)}' slices axes {axes} of the 2-D table '{table.name}'")
     seq, hidden = _dim(s.shape[1]), table_dims[1]
+    ends = ends if ends is not None and len(ends) == len(starts) else None
     found = {axis: (start, step, None if ends is None else _as_dim(ends[k]))
              for k, (axis, start, step) in enumerate(zip(axes, starts, steps))}
     if 0 not in found or (found[0][2] != seq and 1 in found and found[1][2] == seq and seq is not None):
@@ -702,7 +704,7 @@ def _sliced_positions(m: Match, i: int, s: ir.Value) -> _Lookup:
     if start != 0 or step != 1:
         raise Refusal("positions", f"Slice '{node_name(node)}' takes the rows from {start} in steps of {step} of "
                       f"'{table.name}': positions 0..S-1 start at row 0 and step by 1")
-    if ends is None or len(ends) != len(starts):
+    if ends is None:
         raise Refusal("positions", f"the ends of Slice '{node_name(node)}' of the table '{table.name}': "
                       f"{_target(ends)}")
     if seq is None or end != seq:
@@ -715,8 +717,7 @@ def _sliced_positions(m: Match, i: int, s: ir.Value) -> _Lookup:
             raise Refusal("positions", f"Slice '{node_name(node)}' takes columns {start}:{_fmt([end])[1:-1]}:{step} "
                           f"of the table '{table.name}' {_fmt(table_dims)}, not whole rows")
     views = _through_views(m, i, [seq, hidden], [seq, hidden], s, f"Slice '{node_name(node)}'",
-                           f"rows 0..S-1 of '{table.name}'",
-                           "the positions 0..S-1")
+                           f"rows 0..S-1 of '{table.name}'", "the positions 0..S-1")
     return _Lookup(None, table, table, "arange", nodes=(node,) + views)
 
 
