@@ -358,8 +358,8 @@ def _unviewed(m: Match, i: int, ids: ir.Value, table: ir.Value, total: ir.Value)
             raise Refusal("lookup", f"Reshape '{node_name(reshaped_ids)}' of the ids '{ids.name}' {_fmt(ids_dims)} in "
                           f"front of Gather '{node_name(gather)}': {_target(entries)}")
         dims = reshaped + table_dims[1:]
-    views = _through_views(m, i, rows, dims, total, f"Gather '{node_name(gather)}'", f"the lookup of the ids '{ids.name}'",
-                           "the lookup of those ids")
+    views = _through_views(m, i, rows, dims, total, f"Gather '{node_name(gather)}'",
+                           f"the lookup of the ids '{ids.name}'", "the lookup of those ids")
     dq = m.node(f"dq{i}")
     return tuple(n for n in (reshaped_ids, gather, dq) if n is not None) + views
 
@@ -871,9 +871,9 @@ def _check_some_full(lookups: list[_Lookup], s: ir.Value) -> None:
         return
     names = " and ".join(f"'{lk.ids.name}'" for lk in two_d)
     raise Refusal("ids", f"the embedding sum's dims {_fmt(list(s.shape))} are a broadcast of the lookups of {names} "
-                  "that shape inference assumed, not proved (their ids come from inputs whose dims nothing in the graph "
-                  "relates): no ids are proven its [batch, sequence], and the kernel takes input and segment ids of "
-                  "one shape")
+                  "that shape inference assumed, not proved (their ids come from inputs whose dims nothing in the "
+                  "graph relates): no ids are proven its [batch, sequence], and the kernel takes input and segment "
+                  "ids of one shape")
 
 
 def _roles(lookups: list[_Lookup]) -> tuple[_Lookup, _Lookup, _Lookup | None]:

@@ -90,7 +90,7 @@ EXPECTED: dict[str, Case] = {
     # their own, whose dims tf2onnx names apart from the token ids': nothing proves the two the same shape, which
     # the kernel requires (the original broadcasts [B, 1] or [1, S] segment ids)
     "keras_hub/tf_bert": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=3,
-                              fuse_gap="segment ids not proven the token ids' shape (separate input, dims named apart)"),
+                              fuse_gap="segment ids not proven the token ids' shape (an input of its own)"),
     "keras_hub/tf_gpt2": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=3),
     # parallel residual: two norms of one input share its statistics (5 norms, 3 statistics)
     "keras_hub/tf_gpt_neox": Case({"LayerNormalization": 3, "SkipLayerNormalization": 2}, norms=5),
@@ -104,6 +104,12 @@ EXPECTED: dict[str, Case] = {
     # keras-hub through jax2onnx 0.17.1 (opset 23, batch and sequence static): jax2onnx keeps the Slice, ends 8
     "keras_hub/jax_bert": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=3),
     "keras_hub/jax_token_and_position": Case(EMBED),
+    # keras-hub through torch 2.13's dynamo exporter (opset 20, static): native LayerNormalization, the sliced
+    # table folded to a constant
+    "keras_hub/torch_bert": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=0),
+    "keras_hub/torch_gpt2": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=0),
+    "keras_hub/torch_gpt_neox": Case({"LayerNormalization": 3, "SkipLayerNormalization": 2}, norms=0),
+    "keras_hub/torch_token_and_position": Case(EMBED, norms=0),
     # ---- tf2onnx 1.17 from tf-keras 2.21 (opset 17)
     "tf_keras/layernorm": Case(LN),
     "tf_keras/layernorm_eps1e-6": Case(LN),

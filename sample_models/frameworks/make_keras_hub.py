@@ -10,12 +10,15 @@ keras and keras-hub:
     python -m venv /work/venv-kjax && /work/venv-kjax/bin/pip install jax keras==3.15.1 keras-hub==0.32.0 \\
         jax2onnx==0.17.1 onnxruntime
     /work/venv-kjax/bin/python sample_models/frameworks/make_keras_hub.py jax
+    /work/venv-kjax/bin/pip install torch==2.13.0 onnxscript      # torch 2.13.0+cpu, onnxscript 0.7.2
+    /work/venv-kjax/bin/python sample_models/frameworks/make_keras_hub.py torch
 
-Keras exports through tf2onnx on TensorFlow (opset 15, its default) and through jax2onnx on JAX. Random weights,
-tiny configs: vocabulary 100, hidden 32, 2 heads, intermediate 64, max_sequence_length 16; the sample batch is
-2 x 8. TensorFlow: batch and sequence dynamic (Keras' own signature); JAX: batch and sequence fixed at 2 x 8 (see
-``_signature``): jax2onnx folds the sliced table to a constant [8, 32] broadcast over the batch. Every LayerNorm's gamma/beta is random (not 1/0). Files are
-``<backend>_<name>.onnx`` with the usual npz (``_common.py``); ``expected`` is Keras' own ``sequence_output``.
+Keras exports through tf2onnx on TensorFlow (opset 15, its default), through jax2onnx on JAX and through torch's
+dynamo exporter on torch. Random weights, tiny configs: vocabulary 100, hidden 32, 2 heads, intermediate 64,
+max_sequence_length 16; the sample batch is 2 x 8. TensorFlow: batch and sequence dynamic (Keras' own signature);
+JAX and torch: batch and sequence fixed at 2 x 8 (see ``_signature``). Every LayerNorm's gamma/beta is random (not
+1/0). Files are ``<backend>_<name>.onnx`` with the usual npz (``_common.py``); ``expected`` is Keras' own
+``sequence_output``.
 
     bert          BertBackbone, 1 layer: token + PositionEmbedding + segment, then LayerNorm. PositionEmbedding is
                   ``broadcast_to(slice(table, (0, 0), (S, H)), shape(x))`` with S = shape(x)[-2]: no position ids.
@@ -89,8 +92,10 @@ def _signature(model, data: dict[str, np.ndarray]):
     """None (Keras' own: batch and sequence dynamic) on TensorFlow. On JAX both are fixed (B x S): with a dynamic
     sequence keras-hub's PositionEmbedding compares it with the table's length, which jax's symbolic shapes cannot
     decide ("Symbolic dimension comparison 'dim_2_1' <= '16' is inconclusive"), and with a dynamic batch jax2onnx
-    0.17.1 writes an Expand that ONNX Runtime refuses ("invalid expand shape")."""
-    if BACKEND != "jax":
+    0.17.1 writes an Expand that ONNX Runtime refuses ("invalid expand shape"). On torch too: a dynamic dim sends
+    Keras to torch's TorchScript exporter, which fails on keras.ops.layer_normalization ("Failed to export a node
+    ... because it is not constant"); static shapes take the dynamo exporter."""
+    if BACKEND == "tensorflow":
         return None
     specs = {k: keras.InputSpec(shape=(B, S), dtype="int32", name=k) for k in data}
     names = [t.name for t in keras.tree.flatten(model.inputs)]
@@ -167,6 +172,10 @@ def main() -> None:
         import jax
         import jax2onnx
         versions |= {"jax": jax.__version__, "jax2onnx": getattr(jax2onnx, "__version__", "0.17.1")}
+    else:
+        import onnxscript
+        import torch
+        versions |= {"torch": torch.__version__, "torch_onnxscript": onnxscript.__version__}
     write_versions(FOLDER, versions | _previous_versions(), failed)
 
 
