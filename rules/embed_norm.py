@@ -18,6 +18,7 @@ non-unit axes, a Reshape to another shape than the lookup's own up to leading un
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -28,8 +29,9 @@ import onnx_ir as ir
 
 from lnfuse.index.constants import is_static, static_value
 from lnfuse.match.pattern import Either, Match, Op, Pattern, Var, attr_value, noop_outputs, through_noops
-from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
+from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule, new_nodes
 from lnfuse.index.ops import is_op, onnx_op
+from ._broadcast_ids import broadcast_inputs
 from ._common import dtype_of, kernel_epsilon, node_name, read_outside, same_dim
 
 _INDEX_TYPES = (ir.DataType.INT32, ir.DataType.INT64)
@@ -191,12 +193,17 @@ class EmbedNorm(Rule):
             raise Refusal("dtype", f"the kernel takes float32/float16 with a known hidden size, not {dtype} "
                           f"[..., {hidden}]")
         lookups = [_classify(m, i, ctx, s) for i in range(3) if m.node(f"gather{i}") is not None]
-        _check_some_full(lookups, s)
-        folded = [i for i in range(3) if m.value(f"folded{i}") is not None]
-        if len(folded) > 1:
-            raise Refusal("terms", "the embedding sum has more than one constant term")
-        lookups += [_folded_positions(ctx, m, i, s) for i in folded]
-        lookups += [_sliced_positions(m, i, s) for i in range(3) if m.node(f"slice{i}") is not None]
+        sliced = [i for i in range(3) if m.node(f"slice{i}") is not None]
+        if _unrelated_ids(lookups) and len(sliced) == 1:
+            # keras-hub's BERT through tf2onnx: token and segment ids of unrelated dims, positions sliced
+            lookups = _broadcast_lookups(ctx, m, sliced[0], lookups, s)
+        else:
+            _check_some_full(lookups, s)
+            folded = [i for i in range(3) if m.value(f"folded{i}") is not None]
+            if len(folded) > 1:
+                raise Refusal("terms", "the embedding sum has more than one constant term")
+            lookups += [_folded_positions(ctx, m, i, s) for i in folded]
+            lookups += [_sliced_positions(m, i, s) for i in sliced]
         word, position, segment = _roles(lookups)
         for lookup in lookups:
             _check_table(lookup, hidden, dtype)
@@ -232,7 +239,8 @@ class EmbedNorm(Rule):
                           "embedding_sum output")
         for old, new in reversed(outputs.items()):  # the sum itself last: its type is the one kept
             new.type, new.shape = old.type, old.shape
-        return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
+        return Replacement(op_type=op_type, domain="com.microsoft", nodes=new_nodes([fused.outputs[0]]),
+                           outputs=outputs,
                            region=_region(m, lookups), attributes={"epsilon": epsilon},
                            opset_imports={"com.microsoft": 1},
                            notes=_quantized_note(lookups, op_type))
@@ -277,16 +285,6 @@ def _quantized_note(lookups: list[_Lookup], op_type: str) -> list[str]:
     return ["the int8/uint8 tables are read through DequantizeLinear (exact: a per-tensor dequantization commutes "
             "with the lookup); QEmbedLayerNormalization is not written because it takes gamma and beta quantized "
             "and they are float here; --quantize-embeddings writes it, with the measured difference"]
-
-
-def _new_nodes(fused: ir.Node) -> list[ir.Node]:
-    """The fused node and what was made for it: Casts of the ids and dequantizations of quantized tables."""
-    made = []
-    for value in fused.inputs:
-        producer = value.producer() if value is not None else None
-        if producer is not None and producer.graph is None:
-            made.append(producer)
-    return made + [fused]
 
 
 def _classify(m: Match, i: int, ctx: GraphContext, total: ir.Value) -> _Lookup:
@@ -669,11 +667,24 @@ def _folded_positions(ctx: GraphContext, m: Match, i: int, s: ir.Value) -> _Look
     return _Lookup(None, table, table, "arange", nodes=views)
 
 
-def _sliced_positions(m: Match, i: int, s: ir.Value) -> _Lookup:
+def _broadcast_lookups(ctx: GraphContext, m: Match, i: int, lookups: list[_Lookup], s: ir.Value) -> list[_Lookup]:
+    """The two lookups and the sliced positions, each expanded to the broadcast the Add does
+    (``rules/_broadcast_ids.py``): the word and segment ids as [B, S] ids, the positions as position ids."""
+    position = _sliced_positions(m, i, s, free=True)
+    node = m.node(f"slice{i}")
+    axes = static_value(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    axes = [0, 1] if axes is None else [int(a) % 2 for a in axes.reshape(-1)]
+    expanded, positions = broadcast_inputs(ctx, m, i, axes.index(0), [lk.ids for lk in lookups])
+    out = [dataclasses.replace(lk, ids=ids, kind="full") for lk, ids in zip(lookups, expanded)]
+    return out + [dataclasses.replace(position, ids=positions, kind="row")]
+
+
+def _sliced_positions(m: Match, i: int, s: ir.Value, free: bool = False) -> _Lookup:
     """Keras' PositionEmbedding, ``broadcast_to(slice(table, (0, 0), (S, H)), shape(x))``: the rows 0..S-1 of the
     table, which is the lookup of positions 0..S-1 (the kernel's default), when the Slice provably starts at row 0,
     steps by 1 and ends at the sum's sequence length S (read from a run-time shape), keeps whole rows, and the table
-    has more than one row (one row would broadcast to every position). Anything else is refused with what it saw."""
+    has more than one row (one row would broadcast to every position). Anything else is refused with what it saw.
+    ``free``: the end is not compared with S, nor the views followed (the rows are expanded explicitly)."""
     node, table = m.node(f"slice{i}"), m.value(f"table{i}")
     table_dims = _dims(table)
     if table_dims is None or len(table_dims) != 2 or table_dims[0][1] or table_dims[0][0] < 2:
@@ -707,7 +718,7 @@ def _sliced_positions(m: Match, i: int, s: ir.Value) -> _Lookup:
     if ends is None:
         raise Refusal("positions", f"the ends of Slice '{node_name(node)}' of the table '{table.name}': "
                       f"{_target(ends)}")
-    if seq is None or end != seq:
+    if not free and (seq is None or end != seq):
         raise Refusal("positions", f"Slice '{node_name(node)}' ends at row {_fmt([end])[1:-1]} of '{table.name}', "
                       f"not provably at the sequence length {s.shape[1]} of the embedding sum")
     if 1 in found:
@@ -716,8 +727,9 @@ def _sliced_positions(m: Match, i: int, s: ir.Value) -> _Lookup:
         if start != 0 or step != 1 or not whole:
             raise Refusal("positions", f"Slice '{node_name(node)}' takes columns {start}:{_fmt([end])[1:-1]}:{step} "
                           f"of the table '{table.name}' {_fmt(table_dims)}, not whole rows")
-    views = _through_views(m, i, [seq, hidden], [seq, hidden], s, f"Slice '{node_name(node)}'",
-                           f"rows 0..S-1 of '{table.name}'", "the positions 0..S-1")
+    views = m.fact(f"views{i}", ()) if free else \
+        _through_views(m, i, [seq, hidden], [seq, hidden], s, f"Slice '{node_name(node)}'",
+                       f"rows 0..S-1 of '{table.name}'", "the positions 0..S-1")
     return _Lookup(None, table, table, "arange", nodes=(node,) + views)
 
 
@@ -860,6 +872,12 @@ def _is_arange_slice(node: ir.Node, rows, depth: int) -> bool:
     if steps is not None and steps.reshape(-1)[0] != 1:
         return False
     return _is_arange(data, rows, depth + 1)
+
+
+def _unrelated_ids(lookups: list[_Lookup]) -> bool:
+    """Two lookups of 2-D ids, neither proven the sum's [batch, sequence]: ids whose dims nothing relates."""
+    return len(lookups) == 2 and not any(lk.kind == "full" for lk in lookups) and \
+        all(lk.ids.shape is not None and len(lk.ids.shape) == 2 for lk in lookups)
 
 
 def _check_some_full(lookups: list[_Lookup], s: ir.Value) -> None:

@@ -87,10 +87,9 @@ EXPECTED: dict[str, Case] = {
     "keras3/channels_first": Case(LN),
     # ---- keras-hub 0.32 backbones and Keras 3 layers, Keras' own model.export (tf2onnx 1.17, opset 15; issue 28)
     # keras-hub's PositionEmbedding slices its table: positions 0..S-1 with no ids. BERT's segment ids are an input of
-    # their own, whose dims tf2onnx names apart from the token ids': nothing proves the two the same shape, which
-    # the kernel requires (the original broadcasts [B, 1] or [1, S] segment ids)
-    "keras_hub/tf_bert": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=3,
-                              fuse_gap="segment ids not proven the token ids' shape (an input of its own)"),
+    # their own, whose dims tf2onnx names apart from the token ids': the ids and positions go to the kernel expanded
+    # to the broadcast the Add does
+    "keras_hub/tf_bert": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=3),
     "keras_hub/tf_gpt2": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=3),
     # parallel residual: two norms of one input share its statistics (5 norms, 3 statistics)
     "keras_hub/tf_gpt_neox": Case({"LayerNormalization": 3, "SkipLayerNormalization": 2}, norms=5),

@@ -3,6 +3,8 @@
 
 - keras-hub's PositionEmbedding slices its table, ``broadcast_to(table[0:S], shape(x))``, with no position ids: that
   is the lookup of positions 0..S-1, so the embeddings become EmbedLayerNormalization (no position_ids input);
+- BERT's token and segment ids are separate inputs whose dims nothing relates: the kernel gets them, and the
+  positions, expanded to the broadcast the model's Add does;
 - a Slice that starts elsewhere, steps by 2 or cuts the positions out of another axis is not, and says why;
 - GPT-NeoX's parallel residual normalizes one input twice and the exporter computes the statistics once for both:
   each norm is fused with its own gamma/beta and no statistic is left; a statistic also read by something that is
@@ -25,9 +27,8 @@ FOLDER = Path(__file__).resolve().parent.parent / "sample_models" / "frameworks"
 # Keras' float32 vs ONNX Runtime's, different reduction orders
 RTOL = ATOL = 1e-4
 STATISTICS = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "GlobalAveragePool")
-# exports whose embeddings read their positions from a sliced table (folded to a constant by torch's exporter) and
-# whose ids are one shape, per backend (JAX's and torch's are static: there BERT's token and segment ids are both
-# [2, 8])
+# exports whose embeddings read their positions from a sliced table (folded to a constant by torch's exporter) with
+# ids of one shape, per backend (tf_bert's are not: its own tests below)
 SLICED = sorted(p.stem for p in FOLDER.glob("*.onnx") if p.stem.split("_", 1)[1] in ("gpt2", "token_and_position")
                 or p.stem in ("jax_bert", "torch_bert"))
 # those with a dynamic sequence
@@ -166,13 +167,32 @@ def test_statistic_read_by_something_else_is_refused():
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-def test_bert_segment_ids_of_unrelated_shape_say_so():
-    """keras-hub's BERT: token and segment ids are two inputs whose dims tf2onnx names apart, so nothing proves them
-    one shape (the kernel's requirement; the original broadcasts [B, 1] segment ids). The embeddings stay a
-    LayerNormalization, and the reason says it is the ids, not the sliced positions."""
+@pytest.mark.parametrize("tokens, segments", [
+    ((2, 8), (2, 8)), ((2, 8), (2, 1)), ((2, 8), (1, 8)), ((1, 8), (2, 8)), ((2, 1), (2, 8)), ((1, 1), (2, 8)),
+    ((3, 5), (3, 5)), ((2, 16), (2, 16)), ((2, 8), (3, 8)),
+])
+def test_bert_ids_of_unrelated_dims_are_broadcast_as_the_model_does(tokens, segments):
+    """keras-hub's BERT through tf2onnx: token and segment ids are two inputs whose dims nothing relates, and the
+    model broadcasts them (and the sliced positions, as long as the token ids). The embeddings become one
+    EmbedLayerNormalization whose ids and position ids are expanded to that broadcast: the same numbers wherever the
+    model runs, and a failure wherever it fails ([2, 8] token ids with [3, 8] segment ids)."""
     result = _fused("tf_bert")
-    assert not _nodes(result.model, "EmbedLayerNormalization")
-    kept = [u for u in result.report.kept if u.rule == "embed_norm"]
-    assert kept and kept[0].check == "ids" and "segment ids of one shape" in kept[0].reason, kept
+    embeds = _nodes(result.model, "EmbedLayerNormalization")
+    assert len(embeds) == 1 and len(embeds[0].input) > 8 and embeds[0].input[8], "position ids given explicitly"
+    original = onnx.load(str(FOLDER / "tf_bert.onnx"))
+    rng = np.random.default_rng(28)
+    feeds = {"token_ids": rng.integers(0, 100, tokens).astype(np.int32),
+             "segment_ids": rng.integers(0, 2, segments).astype(np.int32),
+             "padding_mask": np.ones(tokens, np.int32)}
+    try:
+        want = _run(original, feeds)
+    except Exception:  # the model itself cannot add these embeddings
+        with pytest.raises(Exception):
+            _run(result.model, feeds)
+        return
+    np.testing.assert_allclose(_run(result.model, feeds), want, rtol=RTOL, atol=ATOL)
+
+
+def test_bert_matches_keras():
     feeds, expected = _data("tf_bert")
-    np.testing.assert_allclose(_run(result.model, feeds), expected, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(_run(_fused("tf_bert").model, feeds), expected, rtol=RTOL, atol=ATOL)
