@@ -614,7 +614,10 @@ def _elementwise(op: str, a: list, b: list) -> list | None:
     for x, y in zip(a, b):
         kx, ky = _known(x), _known(y)
         if kx is not None and ky is not None:
-            out.append(kx + ky if op == "Add" else kx * ky if op == "Mul" else int(kx == ky))
+            value = kx + ky if op == "Add" else kx * ky if op == "Mul" else int(kx == ky)
+            if not -2**31 <= value < 2**31:
+                return None  # int32 arithmetic would wrap where Python's does not
+            out.append(value)
         elif op == "Add" and 0 in (kx, ky):
             out.append(y if kx == 0 else x)
         elif op == "Mul" and 0 in (kx, ky):
