@@ -21,6 +21,7 @@ non-unit axes, a Reshape to another shape than the lookup's own up to leading un
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -31,8 +32,9 @@ import onnx_ir as ir
 
 from lnfuse.index.constants import is_static, static_value
 from lnfuse.match.pattern import Either, Match, Op, Pattern, Var, attr_value, noop_outputs, through_noops
-from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule
+from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule, new_nodes
 from lnfuse.index.ops import is_op, onnx_op
+from ._broadcast_ids import broadcast_inputs
 from ._common import dtype_of, kernel_epsilon, node_name, read_outside, same_dim
 
 _INDEX_TYPES = (ir.DataType.INT32, ir.DataType.INT64)
@@ -125,9 +127,11 @@ def _lookup(i: int) -> Pattern:
     # reach the sum in their shape, the ids before a Reshape: MindSpore looks up Reshape(ids, [-1]) and reshapes back
     ids = Either(Var(f"ids{i}"), Op("Reshape", Var(f"ids{i}"), Var(f"flat{i}"), name=f"reshaped_ids{i}"))
     gather = Op("Gather", Var(f"table{i}"), ids, name=f"gather{i}")
+    # Keras' PositionEmbedding: table[:S] broadcast over the batch, no ids at all (``_sliced_positions`` proves it)
+    sliced = Op("Slice", Var(f"table{i}"), name=f"slice{i}", extra_inputs=True)
     # quantize_dynamic's lookup: the rows of an int8/uint8 table, dequantized after the Gather
-    return _Viewed(Either(Op("DequantizeLinear", gather, Var(f"scale{i}"), Var(f"zero{i}"), name=f"dq{i}"), gather),
-                   f"views{i}")
+    return _Viewed(Either(Op("DequantizeLinear", gather, Var(f"scale{i}"), Var(f"zero{i}"), name=f"dq{i}"), gather,
+                          sliced), f"views{i}")
 
 
 def _stored_constant(value: ir.Value) -> bool:
@@ -138,8 +142,9 @@ def _stored_constant(value: ir.Value) -> bool:
 
 
 def _term(i: int) -> Either:
-    # a static-shape export folds the position lookup of 0..S-1 into a constant [1, S, H] (or [S, H]) term
-    return Either(_lookup(i), Var(f"folded{i}", _stored_constant))
+    # a static-shape export folds the position lookup of 0..S-1 into a constant [1, S, H] (or [S, H]) term, which
+    # tf2onnx broadcasts over the batch as Keras' PositionEmbedding does
+    return Either(_lookup(i), _Viewed(Var(f"folded{i}", _stored_constant), f"views{i}"))
 
 
 _SUM = Either(
@@ -194,10 +199,17 @@ class EmbedNorm(Rule):
             raise Refusal("dtype", f"the kernel takes float32/float16 with a known hidden size, not {dtype} "
                           f"[..., {hidden}]")
         lookups = [_classify(m, i, ctx, s) for i in range(3) if m.node(f"gather{i}") is not None]
-        folded = [m.value(f"folded{i}") for i in range(3) if m.value(f"folded{i}") is not None]
-        if len(folded) > 1:
-            raise Refusal("terms", "the embedding sum has more than one constant term")
-        lookups += [_folded_positions(ctx, value, s) for value in folded]
+        sliced = [i for i in range(3) if m.node(f"slice{i}") is not None]
+        if _unrelated_ids(lookups) and len(sliced) == 1:
+            # keras-hub's BERT through tf2onnx: token and segment ids of unrelated dims, positions sliced
+            lookups = _broadcast_lookups(ctx, m, sliced[0], lookups, s)
+        else:
+            _check_some_full(lookups, s)
+            folded = [i for i in range(3) if m.value(f"folded{i}") is not None]
+            if len(folded) > 1:
+                raise Refusal("terms", "the embedding sum has more than one constant term")
+            lookups += [_folded_positions(ctx, m, i, s) for i in folded]
+            lookups += [_sliced_positions(m, i, s) for i in sliced]
         word, position, segment = _roles(lookups)
         for lookup in lookups:
             _check_table(lookup, hidden, dtype)
@@ -236,7 +248,8 @@ class EmbedNorm(Rule):
                           "embedding_sum output")
         for old, new in reversed(outputs.items()):  # the sum itself last: its type is the one kept
             new.type, new.shape = old.type, old.shape
-        return Replacement(op_type=op_type, domain="com.microsoft", nodes=_new_nodes(fused), outputs=outputs,
+        return Replacement(op_type=op_type, domain="com.microsoft", nodes=new_nodes([fused.outputs[0]]),
+                           outputs=outputs,
                            region=_region(m, lookups), attributes={"epsilon": epsilon},
                            opset_imports={"com.microsoft": 1}, notes=notes)
 
@@ -272,16 +285,6 @@ def _region(m: Match, lookups: list[_Lookup]) -> list[ir.Node]:
         if not kept:
             return region
         region = [n for n in region if n not in kept]
-
-
-def _new_nodes(fused: ir.Node) -> list[ir.Node]:
-    """The fused node and what was made for it: Casts of the ids and dequantizations of quantized tables."""
-    made = []
-    for value in fused.inputs:
-        producer = value.producer() if value is not None else None
-        if producer is not None and producer.graph is None:
-            made.append(producer)
-    return made + [fused]
 
 
 def _classify(m: Match, i: int, ctx: GraphContext, total: ir.Value) -> _Lookup:
@@ -354,6 +357,16 @@ def _unviewed(m: Match, i: int, ids: ir.Value, table: ir.Value, total: ir.Value)
             raise Refusal("lookup", f"Reshape '{node_name(reshaped_ids)}' of the ids '{ids.name}' {_fmt(ids_dims)} in "
                           f"front of Gather '{node_name(gather)}': {_target(entries)}")
         dims = reshaped + table_dims[1:]
+    views = _through_views(m, i, rows, dims, total, f"Gather '{node_name(gather)}'",
+                           f"the lookup of the ids '{ids.name}'", "the lookup of those ids")
+    dq = m.node(f"dq{i}")
+    return tuple(n for n in (reshaped_ids, gather, dq) if n is not None) + views
+
+
+def _through_views(m: Match, i: int, rows: list[_Dim], dims: list[_Dim], total: ir.Value, source: str,
+                   what: str, short: str) -> tuple[ir.Node, ...]:
+    """Prove that the views between term ``i``'s ``source`` and the sum keep its rows ``rows`` (laid out as ``dims``
+    at ``source``) in order, up to leading unit axes and an Expand that only does the Add's broadcast; the views."""
     views: tuple[ir.Node, ...] = m.fact(f"views{i}", ())
     moves = [node for node in views if not is_op(node, "Identity")]  # an Identity moves nothing, wherever it is
     term = dims
@@ -367,12 +380,10 @@ def _unviewed(m: Match, i: int, ids: ir.Value, table: ir.Value, total: ir.Value)
             break
         dims = term
     if len(term) > len(total.shape) or _leading_ones_off(dims) != _leading_ones_off(rows):
-        last = moves[-1] if moves else gather
-        raise Refusal("lookup", f"{last.op_type} '{node_name(last)}' hands the sum the rows of Gather "
-                      f"'{node_name(gather)}' as {_fmt(dims)}, where the lookup of the ids '{ids.name}' is "
-                      f"{_fmt(rows)}: not the lookup of those ids")
-    dq = m.node(f"dq{i}")
-    return tuple(n for n in (reshaped_ids, gather, dq) if n is not None) + views
+        last = f"{moves[-1].op_type} '{node_name(moves[-1])}'" if moves else source
+        raise Refusal("lookup", f"{last} hands the sum the rows of {source} as {_fmt(dims)}, where {what} is "
+                      f"{_fmt(rows)}: not {short}")
+    return views
 
 
 def _view(node: ir.Node, dims: list[_Dim]) -> tuple[list[_Dim], list[int]]:
@@ -511,6 +522,8 @@ def _reshaped(dims: list[_Dim], entries: list, allowzero: int) -> list[_Dim] | N
 
 #: the longest shape vector read: a lookup's Reshape target has the rank of the sum (a longer one is no lookup's)
 _MAX_SHAPE_ENTRIES = 8
+#: how many ops a shape vector is followed through: tf2onnx's ends of tf.slice take ten from the Shape
+_SHAPE_DEPTH = 12
 
 
 def _target(entries: list | None) -> str:
@@ -543,7 +556,7 @@ def _entries_of(value: ir.Value, depth: int, seen: dict) -> list | None:
         return [int(v) for v in array.reshape(-1)] if array.ndim == 1 and array.dtype.kind in "iu" and \
             array.size <= _MAX_SHAPE_ENTRIES else None
     node = value.producer()
-    if node is None or depth > 4 or node.domain not in ("", "ai.onnx"):
+    if node is None or depth > _SHAPE_DEPTH or node.domain not in ("", "ai.onnx"):
         return None
     if onnx_op(node) in ("Cast", "Identity"):
         return _entries(node.inputs[0], depth + 1, seen)
@@ -562,7 +575,61 @@ def _entries_of(value: ir.Value, depth: int, seen: dict) -> list | None:
                 return None
             parts += part
         return parts
+    if is_op(node, "Slice"):
+        return _sliced_entries(node, depth, seen)
+    if onnx_op(node) in ("Add", "Mul", "Equal") and len(node.inputs) == 2:
+        # tf2onnx's tf.slice: ends = begin + size + (size == -1) * INT_MAX, all of it at run time
+        pair = [_entries(v, depth + 1, seen) for v in node.inputs]
+        return None if None in pair else _elementwise(onnx_op(node), *pair)
     return None
+
+
+def _sliced_entries(node: ir.Node, depth: int, seen: dict) -> list | None:
+    """``vector[start:end]`` of a shape vector (tf2onnx's strided_slice of a Shape), constant bounds, step 1."""
+    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+    whole = _entries(inputs[0], depth + 1, seen)
+    bounds = [None if v is None else static_value(v) for v in inputs[1:5]]
+    if whole is None or any(b is None and v is not None for b, v in zip(bounds, inputs[1:5])) or \
+            bounds[0] is None or bounds[1] is None or bounds[0].size != 1 or bounds[1].size != 1 or \
+            (bounds[2] is not None and int(bounds[2].reshape(-1)[0]) not in (0, -1)) or \
+            (bounds[3] is not None and int(bounds[3].reshape(-1)[0]) != 1):
+        return None
+    return whole[int(bounds[0].reshape(-1)[0]):int(bounds[1].reshape(-1)[0])]
+
+
+def _known(entry) -> int | None:
+    """The number an entry is, if it is one (a dim of no symbolic factor)."""
+    if isinstance(entry, tuple):
+        return entry[0] if not entry[1] else None
+    return int(entry)
+
+
+def _elementwise(op: str, a: list, b: list) -> list | None:
+    """Add, Mul or Equal of two shape vectors, broadcast as ONNX does; None where a result is not proved. A symbolic
+    dim is a size, never negative: it differs from a negative number; times 0 it is 0, plus 0 itself."""
+    if len(a) != len(b) and 1 not in (len(a), len(b)):
+        return None
+    n = max(len(a), len(b))
+    a, b = (a * n if len(a) == 1 else a), (b * n if len(b) == 1 else b)
+    out = []
+    for x, y in zip(a, b):
+        kx, ky = _known(x), _known(y)
+        if kx is not None and ky is not None:
+            value = kx + ky if op == "Add" else kx * ky if op == "Mul" else int(kx == ky)
+            if not -2**31 <= value < 2**31:
+                return None  # int32 arithmetic would wrap where Python's does not
+            out.append(value)
+        elif op == "Add" and 0 in (kx, ky):
+            out.append(y if kx == 0 else x)
+        elif op == "Mul" and 0 in (kx, ky):
+            out.append(0)
+        elif op == "Mul" and 1 in (kx, ky):
+            out.append(y if kx == 1 else x)
+        elif op == "Equal" and ((kx is not None and kx < 0) or (ky is not None and ky < 0)):
+            out.append(0)
+        else:
+            return None
+    return out
 
 
 def _leading_ones_off(dims: list[_Dim]) -> list[_Dim]:
@@ -581,10 +648,13 @@ def _fmt(dims: list) -> str:
     return "[" + ", ".join(one(d) for d in dims) + "]"
 
 
-def _folded_positions(ctx: GraphContext, value: ir.Value, s: ir.Value) -> _Lookup:
+def _folded_positions(ctx: GraphContext, m: Match, i: int, s: ir.Value) -> _Lookup:
     """A constant term P of shape [S, H], [1, S, H] or [B, S, H] with B equal rows, added to a sum of the sum's own
     (fixed) shape, is the lookup of rows 0..S-1 of the table P[..., :, :] (the kernel's default positions). The
-    shape must be the sum's own: a constant that broadcasts the ids' batch or sequence would not be a lookup."""
+    shape must be the sum's own: a constant that broadcasts the ids' batch or sequence would not be a lookup. It may
+    reach the sum through views that keep its rows (``_through_views``): tf2onnx folds Keras' table[:S] of a static
+    S and broadcasts it over the batch."""
+    value = m.value(f"folded{i}")
     array = value.const_value.numpy() if value.const_value is not None else static_value(value)
     dims = list(s.shape)
     if array is None or array.ndim not in (2, 3) or list(array.shape[-2:]) != dims[1:] or \
@@ -594,8 +664,81 @@ def _folded_positions(ctx: GraphContext, value: ir.Value, s: ir.Value) -> _Looku
     rows = array.reshape(-1, *array.shape[-2:])
     if not np.array_equal(rows, np.broadcast_to(rows[:1], rows.shape)):
         raise Refusal("terms", f"the constant term '{value.name}' differs between batch rows; it is not a lookup")
+    own = [(int(d), ()) for d in array.shape]
+    views = _through_views(m, i, own, own, s, f"the constant '{value.name}'", f"the constant '{value.name}'",
+                           "that constant")
     table = ctx.constant(np.ascontiguousarray(rows[0]), f"{value.name}_as_positions")
-    return _Lookup(None, table, table, "arange")
+    return _Lookup(None, table, table, "arange", nodes=views)
+
+
+def _broadcast_lookups(ctx: GraphContext, m: Match, i: int, lookups: list[_Lookup], s: ir.Value) -> list[_Lookup]:
+    """The two lookups and the sliced positions, each expanded to the broadcast the Add does
+    (``rules/_broadcast_ids.py``): the word and segment ids as [B, S] ids, the positions as position ids."""
+    position = _sliced_positions(m, i, s, free=True)
+    node = m.node(f"slice{i}")
+    axes = static_value(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    axes = [0, 1] if axes is None else [int(a) % 2 for a in axes.reshape(-1)]
+    expanded, positions = broadcast_inputs(ctx, m, i, axes.index(0), [lk.ids for lk in lookups])
+    out = [dataclasses.replace(lk, ids=ids, kind="full") for lk, ids in zip(lookups, expanded)]
+    return out + [dataclasses.replace(position, ids=positions, kind="row")]
+
+
+def _sliced_positions(m: Match, i: int, s: ir.Value, free: bool = False) -> _Lookup:
+    """Keras' PositionEmbedding, ``broadcast_to(slice(table, (0, 0), (S, H)), shape(x))``: the rows 0..S-1 of the
+    table, which is the lookup of positions 0..S-1 (the kernel's default), when the Slice provably starts at row 0,
+    steps by 1 and ends at the sum's sequence length S (read from a run-time shape), keeps whole rows, and the table
+    has more than one row (one row would broadcast to every position). Anything else is refused with what it saw.
+    ``free``: the end is not compared with S, nor the views followed (the rows are expanded explicitly)."""
+    node, table = m.node(f"slice{i}"), m.value(f"table{i}")
+    table_dims = _dims(table)
+    if table_dims is None or len(table_dims) != 2 or table_dims[0][1] or table_dims[0][0] < 2:
+        raise Refusal("positions", f"Slice '{node_name(node)}' reads '{table.name}' of shape "
+                      f"{_fmt(table_dims) if table_dims else 'unknown'}: a position table is a known [rows, H] "
+                      "with more than one row")
+    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+    starts, axes, steps = (None if v is None else static_value(v) for v in (inputs[1], inputs[3], inputs[4]))
+    if starts is None or (inputs[3] is not None and axes is None) or (inputs[4] is not None and steps is None):
+        raise Refusal("positions", f"the starts, axes or steps of Slice '{node_name(node)}' of the table "
+                      f"'{table.name}' are not constants")
+    starts = [int(v) for v in starts.reshape(-1)]
+    axes = list(range(len(starts))) if axes is None else [int(a) % 2 if -2 <= a < 2 else int(a)
+                                                          for a in axes.reshape(-1)]
+    steps = [1] * len(starts) if steps is None else [int(v) for v in steps.reshape(-1)]
+    ends = None if inputs[2] is None else _shape_vector(inputs[2])
+    if any(a not in (0, 1) for a in axes) or len(set(axes)) != len(axes) or len(steps) != len(starts) or \
+            len(axes) != len(starts):
+        raise Refusal("positions", f"Slice '{node_name(node)}' slices axes {axes} of the 2-D table '{table.name}'")
+    seq, hidden = _dim(s.shape[1]), table_dims[1]
+    ends = ends if ends is not None and len(ends) == len(starts) else None
+    found = {axis: (start, step, None if ends is None else _as_dim(ends[k]))
+             for k, (axis, start, step) in enumerate(zip(axes, starts, steps))}
+    if 0 not in found or (found[0][2] != seq and 1 in found and found[1][2] == seq and seq is not None):
+        raise Refusal("positions", f"Slice '{node_name(node)}' cuts the sequence out of axis 1 of the table "
+                      f"'{table.name}' {_fmt(table_dims)}: the kernel's positions are its rows (axis 0)")
+    start, step, end = found[0]
+    if start != 0 or step != 1:
+        raise Refusal("positions", f"Slice '{node_name(node)}' takes the rows from {start} in steps of {step} of "
+                      f"'{table.name}': positions 0..S-1 start at row 0 and step by 1")
+    if ends is None:
+        raise Refusal("positions", f"the ends of Slice '{node_name(node)}' of the table '{table.name}': "
+                      f"{_target(ends)}")
+    if not free and (seq is None or end != seq):
+        raise Refusal("positions", f"Slice '{node_name(node)}' ends at row {_fmt([end])[1:-1]} of '{table.name}', "
+                      f"not provably at the sequence length {s.shape[1]} of the embedding sum")
+    if 1 in found:
+        start, step, end = found[1]
+        whole = end == hidden or (not end[1] and not hidden[1] and end[0] >= hidden[0])
+        if start != 0 or step != 1 or not whole:
+            raise Refusal("positions", f"Slice '{node_name(node)}' takes columns {start}:{_fmt([end])[1:-1]}:{step} "
+                          f"of the table '{table.name}' {_fmt(table_dims)}, not whole rows")
+    views = m.fact(f"views{i}", ()) if free else \
+        _through_views(m, i, [seq, hidden], [seq, hidden], s, f"Slice '{node_name(node)}'",
+                       f"rows 0..S-1 of '{table.name}'", "the positions 0..S-1")
+    return _Lookup(None, table, table, "arange", nodes=(node,) + views)
+
+
+def _as_dim(entry) -> _Dim:
+    return entry if isinstance(entry, tuple) else (int(entry), ())
 
 
 def _quantized_table(dq: ir.Node | None, after: bool) -> _Quantized | None:
@@ -753,6 +896,26 @@ def _is_arange_slice(node: ir.Node, rows, depth: int) -> bool:
     if steps is not None and steps.reshape(-1)[0] != 1:
         return False
     return _is_arange(data, rows, depth + 1)
+
+
+def _unrelated_ids(lookups: list[_Lookup]) -> bool:
+    """Two lookups of 2-D ids, neither proven the sum's [batch, sequence]: ids whose dims nothing relates."""
+    return len(lookups) == 2 and not any(lk.kind == "full" for lk in lookups) and \
+        all(lk.ids.shape is not None and len(lk.ids.shape) == 2 for lk in lookups)
+
+
+def _check_some_full(lookups: list[_Lookup], s: ir.Value) -> None:
+    """Some lookup's ids must be the sum's [batch, sequence]; when several lookups read 2-D ids and none is proven
+    so, the sum is a broadcast of ids whose shapes nothing relates (tf2onnx names each graph input's dims apart: a
+    BERT's token and segment ids), and the kernel takes input and segment ids of one shape."""
+    two_d = [lk for lk in lookups if lk.ids.shape is not None and len(lk.ids.shape) == 2]
+    if len(two_d) < 2 or any(lk.kind == "full" for lk in lookups):
+        return
+    names = " and ".join(f"'{lk.ids.name}'" for lk in two_d)
+    raise Refusal("ids", f"the embedding sum's dims {_fmt(list(s.shape))} are a broadcast of the lookups of {names} "
+                  "that shape inference assumed, not proved (their ids come from inputs whose dims nothing in the "
+                  "graph relates): no ids are proven its [batch, sequence], and the kernel takes input and segment "
+                  "ids of one shape")
 
 
 def _roles(lookups: list[_Lookup]) -> tuple[_Lookup, _Lookup, _Lookup | None]:

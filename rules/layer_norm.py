@@ -18,6 +18,7 @@ from lnfuse.index.ops import is_op, onnx_op
 from ._common import (FLOATS, SUMS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
                       check_mean_scale, epsilon, kept_dims, mean_of_square, mean_over,
                       node_name, param_as, rank_of, read_outside, readers_outside, reduced_axes, square, trailing_axes)
+from ._shared_stats import leave_shared
 from ._norm import (Boundary, Layout, absorb_type_reads, affine, channels_last, check_inverse,
                     check_layouts, check_scales, expose, finish, first_placement, inverse_sqrt, inverse_std_readers,
                     layout_params, scale_input, stash_type, transposed, var_plus_eps)
@@ -141,6 +142,8 @@ class LayerNorm(Rule):
         op_type = _choose_op(ctx, b.dtype)
         check_epsilon_fits(eps, b.dtype)
         region = absorb_type_reads(list(b.region))
+        # statistics another norm of x also reads stay for it: this norm's op computes its own
+        region, shared = leave_shared(m, region, self.patterns, b.y)
         b = transposed(ctx, b, layout)
         x, y = b.x, b.y
         if m.node("unflatten") is not None:
@@ -152,7 +155,7 @@ class LayerNorm(Rule):
         else:
             gamma, beta = layout_params(m, ctx, b, k, scale, channel, layout.params)
         mean = kept_dims(m, "mean")
-        exposed_mean = [mean] if read_outside(mean, region) else []
+        exposed_mean = [mean] if mean.producer() in region and read_outside(mean, region) else []
         flattened = m.node("unflatten") is not None
         if exposed_mean and not flattened and rank_of(mean) != rank_of(x):
             # a keepdims=0 mean re-broadcast by the ops around it: the fused op's Mean has the kept shape (a
@@ -198,7 +201,11 @@ class LayerNorm(Rule):
             for old in olds:
                 stat = _as_2d(ctx, fused.outputs[index]) if flattened else fused.outputs[index]
                 outputs[old] = expose(ctx, stat, old, stash)
-        return finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
+        done = finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
+        if shared:
+            done.notes.append(f"{len(shared)} statistic node(s) another norm of '{x.name}' also reads are left to "
+                              "it (removed once nothing reads them)")
+        return done
 
 
 def check_centring(m: Match) -> None:

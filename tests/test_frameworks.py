@@ -85,6 +85,30 @@ EXPECTED: dict[str, Case] = {
     "keras3/residual_layernorm": Case(SKIP),
     "keras3/embedding_layernorm": Case(EMBED),
     "keras3/channels_first": Case(LN),
+    # ---- keras-hub 0.32 backbones and Keras 3 layers, Keras' own model.export (tf2onnx 1.17, opset 15; issue 28)
+    # keras-hub's PositionEmbedding slices its table: positions 0..S-1 with no ids. BERT's segment ids are an input of
+    # their own, whose dims tf2onnx names apart from the token ids': the ids and positions go to the kernel expanded
+    # to the broadcast the Add does
+    "keras_hub/tf_bert": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=3),
+    "keras_hub/tf_gpt2": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=3),
+    # parallel residual: two norms of one input share its statistics (5 norms, 3 statistics)
+    "keras_hub/tf_gpt_neox": Case({"LayerNormalization": 3, "SkipLayerNormalization": 2}, norms=5),
+    "keras_hub/tf_token_and_position": Case(EMBED),
+    # table[1:S+1], table[0:2S:2]: not positions 0..S-1; the sum's broadcast dims keep the Skip op out too
+    "keras_hub/tf_position_offset": Case(LN),
+    "keras_hub/tf_position_step2": Case(LN),
+    # table[0:8] folded to a constant broadcast to a dynamic S; a [H, max] table cut along axis 1
+    "keras_hub/tf_position_fixed_end": Case(SKIP),
+    "keras_hub/tf_position_axis1": Case(SKIP),
+    # keras-hub through jax2onnx 0.17.1 (opset 23, batch and sequence static): jax2onnx keeps the Slice, ends 8
+    "keras_hub/jax_bert": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=3),
+    "keras_hub/jax_token_and_position": Case(EMBED),
+    # keras-hub through torch 2.13's dynamo exporter (opset 20, static): native LayerNormalization, the sliced
+    # table folded to a constant
+    "keras_hub/torch_bert": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=0),
+    "keras_hub/torch_gpt2": Case({"EmbedLayerNormalization": 1, "SkipLayerNormalization": 2}, norms=0),
+    "keras_hub/torch_gpt_neox": Case({"LayerNormalization": 3, "SkipLayerNormalization": 2}, norms=0),
+    "keras_hub/torch_token_and_position": Case(EMBED, norms=0),
     # ---- tf2onnx 1.17 from tf-keras 2.21 (opset 17)
     "tf_keras/layernorm": Case(LN),
     "tf_keras/layernorm_eps1e-6": Case(LN),

@@ -23,6 +23,8 @@ FOLDERS = {  # folder: (framework, exporter, the versions.json keys that say whi
     "jax2tf": ("JAX (Flax linen, Equinox)", "jax2tf + tf2onnx", ("jax", "flax", "equinox", "tf2onnx")),
     "keras3": ("Keras 3", "tf2onnx", ("tensorflow", "keras", "tf2onnx")),
     "tf_keras": ("tf-keras (Keras 2)", "tf2onnx", ("tensorflow", "tf_keras", "tf2onnx")),
+    "keras_hub": ("Keras 3 + keras-hub", "model.export (tf2onnx, jax2onnx, torch)",
+                  ("keras", "keras_hub", "tensorflow", "tf2onnx", "jax", "jax2onnx", "torch")),
     "paddle": ("PaddlePaddle", "paddle2onnx", ("paddlepaddle", "paddle2onnx")),
     "mindspore": ("MindSpore", "mindspore.export", ("mindspore",)),
     "spox": ("spox", "(builds ONNX)", ("spox",)),
@@ -35,7 +37,9 @@ STATISTICS = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "GlobalAveragePool",
 
 
 def kind(name: str) -> str:
-    for key, label in (("rms_scaling", "not a norm (rms_scaling)"), ("residual", "residual + LN"),
+    for key, label in (("gpt_neox", "LNs sharing statistics"), ("position_", "sliced table, not 0..S-1"),
+                       ("bert", "embedding + LN"), ("gpt2", "embedding + LN"), ("token_and", "embedding + LN"),
+                       ("rms_scaling", "not a norm (rms_scaling)"), ("residual", "residual + LN"),
                        ("embedding", "embedding + LN"), ("channels_first", "channels-first LN"),
                        ("rmsnorm", "RMSNorm"), ("layernorm", "LayerNorm")):
         if key in name:
@@ -60,12 +64,16 @@ def row(path: Path) -> list[str]:
     label = kind(name)
     wanted = {"residual + LN": "Skip", "embedding + LN": "Embed"}.get(label)
     reason = ""
-    if result.report.unfused:
-        deciding = [u for u in result.report.unfused if u.rule != "skip_norm" or u.check != "shape"]
-        u = (deciding or result.report.unfused)[0]
+    left_alone = result.report.unfused or [u for u in result.report.kept if u.rule == "embed_norm"]
+    if left_alone:
+        deciding = [u for u in left_alone if u.rule != "skip_norm" or u.check != "shape"]
+        u = (deciding or left_alone)[0]
         reason = f"[{u.rule}/{u.check}] {u.reason}"
         reason = reason if len(reason) <= 110 else reason[:107] + "..."
-    if label.startswith("not a norm"):
+    if label.startswith("sliced table"):
+        status = "**EmbedLN of a slice that is no 0..S-1**" if "EmbedLN" in written else \
+            "norm fused, rightly no EmbedLN" + (f": {reason}" if reason else "") if left == 0 else f"**left**: {reason}"
+    elif label.startswith("not a norm"):
         status = f"refused, rightly: {reason}" if not written.strip("-") else "**fused a non-norm**"
     elif left == 0 and (wanted is None or wanted in written):
         status = "already native" if not result.report.fused and native else "fused"

@@ -1,0 +1,81 @@
+"""Statistics two norms of the same input share: each norm is fused with its own gamma/beta, the shared nodes stay.
+
+An exporter that removes common subexpressions (tf2onnx over Keras' parallel-residual blocks: GPT-NeoX normalizes
+one input for the attention and for the MLP) computes the mean, the centred value, the variance and 1/sqrt(var + eps)
+once and reads them from both norms. Each norm is still a norm of that input: its fused op computes the statistics
+again from x, so its region need not delete them. The shared nodes are left out of the region while every reader
+outside it is a node of another norm of the same input, proven by matching that norm with the rule's own patterns;
+once every such norm is fused nothing reads them and the clean-up removes them. A statistic also read by anything
+else stays in the region, where the engine refuses it (the fused op cannot expose it).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import onnx_ir as ir
+
+from lnfuse.match.pattern import Match, Pattern
+
+#: how far (reader steps) a sibling norm's output may lie from the node that reads the shared statistic: Keras'
+#: spelling takes three (gamma * inv -> x * k -> + beta' -> + ...)
+_REACH = 6
+#: nodes visited looking for one sibling's output; matches tried from each
+_VISIT, _MATCHES = 48, 16
+
+
+def leave_shared(m: Match, region: list[ir.Node], patterns: Sequence[Pattern],
+                 y: ir.Value) -> tuple[list[ir.Node], list[ir.Node]]:
+    """(the region less the statistics that other norms of the same input also read, those shared nodes). ``y``:
+    the value the fused op replaces (its readers are the norm's users, not a sibling)."""
+    inside = set(region)
+    shared: list[ir.Node] = []
+    proven: dict[ir.Node, bool] = {}
+    for node in region:
+        outside = [r for v in node.outputs if v is not y for r, _ in v.uses() if r not in inside]
+        if outside and not any(v.is_graph_output() for v in node.outputs if v is not y) and \
+                all(_is_sibling(reader, m, patterns, proven) for reader in outside):
+            shared.append(node)
+    # what a shared node reads inside the region stays with it
+    todo = list(shared)
+    while todo:
+        for value in todo.pop().inputs:
+            producer = value.producer() if value is not None else None
+            if producer in inside and producer not in shared:
+                shared.append(producer)
+                todo.append(producer)
+    left = set(shared)
+    return [n for n in region if n not in left], shared
+
+
+def _is_sibling(reader: ir.Node, m: Match, patterns: Sequence[Pattern], proven: dict[ir.Node, bool]) -> bool:
+    """Whether ``reader`` is a node of another norm of m's input: a match of ``patterns`` rooted at a value a few
+    reader steps after it, with the same x, that covers it."""
+    if reader not in proven:
+        proven[reader] = _find_sibling(reader, m, patterns)
+    return proven[reader]
+
+
+def _find_sibling(reader: ir.Node, m: Match, patterns: Sequence[Pattern]) -> bool:
+    x, y = m.value("x"), m.value("y")
+    if x is None:
+        return False
+    frontier, seen = [reader], {reader}
+    for _ in range(_REACH):
+        following = []
+        for node in frontier:
+            for root in node.outputs:
+                if root is y:
+                    continue
+                for pattern in patterns:
+                    for k, found in enumerate(pattern.match(root, Match(cache=m.cache))):
+                        if k >= _MATCHES:
+                            break
+                        if found.value("x") is x and reader in found.nodes:
+                            return True
+                for user, _ in root.uses():
+                    if user not in seen and len(seen) < _VISIT:
+                        seen.add(user)
+                        following.append(user)
+        frontier = following
+    return False
