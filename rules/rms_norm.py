@@ -14,6 +14,7 @@ from lnfuse.match.pattern import Match, Var, maybe_cast
 from lnfuse.match.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
                       check_mean_scale, epsilon, mean_of_square, node_name, trailing_axes)
+from ._shared_stats import leave_shared
 from ._norm import (Boundary, Layout, absorb_type_reads, affine, channels_last, check_inverse,
                     check_layouts, check_scales, expose, finish, first_placement, inverse_sqrt, inverse_std_readers,
                     layout_params, scale_input, stash_type, transposed, var_plus_eps)
@@ -70,6 +71,8 @@ class RmsNorm(Rule):
         op_type = _choose_op(ctx, b.dtype)
         check_epsilon_fits(eps, b.dtype)
         region = absorb_type_reads(list(b.region))
+        # statistics another norm of x also reads stay for it: this norm's op computes its own
+        region, shared = leave_shared(m, region, self.patterns, b.y)
         b = transposed(ctx, b, layout)
         gamma, _ = layout_params(m, ctx, b, k, scale, channel, layout.params)
         exposed_inv, absorbed = inverse_std_readers(m, region)
@@ -93,14 +96,19 @@ class RmsNorm(Rule):
 
         if channel is not None:
             outputs = {b.y: channels_last(ctx, b.x, b.y, channel, lambda t: norm(t).outputs[0])}
-            return finish(op_type, "", outputs, region, {"axis": channel, "epsilon": eps, "layout": "channels-first"})
-        fused = norm(b.x)
-        fused.outputs[0].shape = b.y.shape
-        outputs = {b.y: fused.outputs[0]}
-        for old in exposed_inv:
-            fused.outputs[1].type = ir.TensorType(ir.DataType.FLOAT)
-            outputs[old] = expose(ctx, fused.outputs[1], old, ir.DataType.FLOAT)
-        return finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
+            done = finish(op_type, "", outputs, region, {"axis": channel, "epsilon": eps, "layout": "channels-first"})
+        else:
+            fused = norm(b.x)
+            fused.outputs[0].shape = b.y.shape
+            outputs = {b.y: fused.outputs[0]}
+            for old in exposed_inv:
+                fused.outputs[1].type = ir.TensorType(ir.DataType.FLOAT)
+                outputs[old] = expose(ctx, fused.outputs[1], old, ir.DataType.FLOAT)
+            done = finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
+        if shared:
+            done.notes.append(f"{len(shared)} statistic node(s) another norm of '{b.x.name}' also reads are left "
+                              "to it (removed once nothing reads them)")
+        return done
 
 
 def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> str:

@@ -196,3 +196,33 @@ def test_bert_ids_of_unrelated_dims_are_broadcast_as_the_model_does(tokens, segm
 def test_bert_matches_keras():
     feeds, expected = _data("tf_bert")
     np.testing.assert_allclose(_run(_fused("tf_bert").model, feeds), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_rms_norms_sharing_their_statistic_fuse_each_with_its_own_scale():
+    """Two RMS norms of one x reading one 1/rms (an exporter's common-subexpression pass), each with its own scale."""
+    import onnx.helper as oh
+    import onnx.numpy_helper as onh
+
+    rng = np.random.default_rng(0)
+    h = 16
+    nodes = [oh.make_node("Mul", ["x", "x"], ["sq"]), oh.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1]),
+             oh.make_node("Add", ["ms", "eps"], ["mse"]), oh.make_node("Sqrt", ["mse"], ["rms"]),
+             oh.make_node("Reciprocal", ["rms"], ["inv"]), oh.make_node("Mul", ["x", "inv"], ["n"]),
+             oh.make_node("Mul", ["n", "g1"], ["y1"]), oh.make_node("Mul", ["x", "inv"], ["n2"]),
+             oh.make_node("Mul", ["n2", "g2"], ["y2"])]
+    inits = [onh.from_array(np.float32(1e-6), "eps"), onh.from_array(rng.normal(size=h).astype(np.float32), "g1"),
+             onh.from_array(rng.normal(size=h).astype(np.float32), "g2")]
+    graph = oh.make_graph(nodes, "shared_rms", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, h])],
+                          [oh.make_tensor_value_info(y, onnx.TensorProto.FLOAT, [2, 3, h]) for y in ("y1", "y2")],
+                          inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model, full_check=True)
+    result = lnfuse.fuse(model)
+    ops = [n.op_type for n in result.model.graph.node]
+    assert ops.count("SimplifiedLayerNormalization") == 2 and "ReduceMean" not in ops, result.report.explain()
+    feeds = {"x": rng.normal(size=(2, 3, h)).astype(np.float32)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
