@@ -146,3 +146,22 @@ def test_a_square_rounded_to_float16_overflows_where_the_fused_norm_does_not():
     x[0, 0] *= 400  # one token with outlier activations, well inside float16's range
     (want,), (got,) = _run(model, {"x": x}), _run(result.model, {"x": x})
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), **FP16)
+
+
+def test_a_declaration_of_no_value_does_not_type_the_value_lnfuse_names_alike(tmp_path):
+    """value_info a tool left behind for a value it removed (no node writes it) is loaded by ONNX Runtime, which
+    ignores it. lnfuse wrote the input's declarations back by name, so the fused op's new output, named as the
+    declaration happens to be, was declared int64 [7]: ONNX Runtime refused the output."""
+    from test_mixed_precision import _converter_norm, _run
+    model = _converter_norm(TensorProto.FLOAT16, TensorProto.FLOAT)
+    mean = [n for n in model.graph.node if n.op_type == "Cast"][1].output[0]  # read outside: the norm is an RMS
+    model.graph.node.append(oh.make_node("Neg", [mean], ["neg_mean"]))
+    model.graph.output.append(oh.make_tensor_value_info("neg_mean", TensorProto.FLOAT16, ["B", 4, 1]))
+    model = onnx.shape_inference.infer_shapes(model)
+    fused_name = [o for n in lnfuse.fuse(model).model.graph.node for o in n.output if o.endswith("_out0")][0]
+    model.graph.value_info.append(oh.make_tensor_value_info(fused_name, TensorProto.INT64, [7]))
+    feeds = {"x": np.random.default_rng(0).normal(0, 1, (1, 4, 8)).astype(np.float16)}
+    _run(model, feeds)  # ORT loads the input
+    onnx.save(model, tmp_path / "in.onnx")
+    lnfuse.fuse(tmp_path / "in.onnx").save(tmp_path / "out.onnx")
+    _run(onnx.load(tmp_path / "out.onnx"), feeds)
