@@ -165,3 +165,46 @@ def test_a_declaration_of_no_value_does_not_type_the_value_lnfuse_names_alike(tm
     onnx.save(model, tmp_path / "in.onnx")
     lnfuse.fuse(tmp_path / "in.onnx").save(tmp_path / "out.onnx")
     _run(onnx.load(tmp_path / "out.onnx"), feeds)
+
+
+def _gpu_only(node: onnx.NodeProto, shape: list[int], inits=()) -> onnx.ModelProto:
+    """The norm read by one contrib op ONNX Runtime registers for GPU providers only (lnfuse verifies the norm's
+    region on the CPU: the rest of the model need not run there)."""
+    model = _norm()
+    model.graph.node.append(node)
+    model.graph.initializer.extend(inits)
+    del model.graph.output[:]
+    model.graph.output.append(oh.make_tensor_value_info(node.output[0], TensorProto.FLOAT, shape))
+    model.opset_import.append(oh.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def _attention_on_a_quantized_cache() -> onnx.ModelProto:
+    """GroupQueryAttention with k_quant_type/v_quant_type: it quantizes the new keys and values into its int8 cache
+    and attends over the cache, so its float output moves with the quantized keys."""
+    node = oh.make_node("GroupQueryAttention", ["Y", "Y", "Y", "past_k", "past_v", "seqlens", "total"],
+                        ["attended", "present_k", "present_v"], domain="com.microsoft", num_heads=2, kv_num_heads=2,
+                        k_quant_type="PER_TENSOR", v_quant_type="PER_TENSOR", kv_cache_bit_width=8, name="gqa")
+    inits = [_const("past_k", np.zeros((3, 2, 0, 4), np.int8)), _const("past_v", np.zeros((3, 2, 0, 4), np.int8)),
+             _const("seqlens", np.full(3, 1, np.int32)), _const("total", np.int32(2))]
+    return _gpu_only(node, [3, 2, 8], inits)
+
+
+def _fp8_activation_matmul() -> onnx.ModelProto:
+    """MatMulBlockQuantizedFp8Weight given a_scale rounds its activation to float8 e4m3 (W8A8, its schema)."""
+    node = oh.make_node("MatMulBlockQuantizedFp8Weight", ["Y", "w8", "w_scale", "a_scale"], ["mm"],
+                        domain="com.microsoft", block_size=8, name="fp8_mm")
+    inits = [onnx.numpy_helper.from_array(np.zeros((4, 8), np.uint8), "w8"), _const("w_scale", np.ones((4, 1), np.float32)),
+             _const("a_scale", np.float32(0.1))]
+    model = _gpu_only(node, [3, 2, 4], inits)
+    model.graph.initializer[-3].data_type = TensorProto.FLOAT8E4M3FN
+    return model
+
+
+@pytest.mark.parametrize("make", [_attention_on_a_quantized_cache, _fp8_activation_matmul])
+def test_a_contrib_op_that_quantizes_when_asked_keeps_the_norm(make):
+    result = lnfuse.fuse(make())
+    assert Counter(n.op_type for n in result.model.graph.node)["LayerNormalization"] == 0, \
+        "the quantized model would change"
+    (left,) = result.report.unfused
+    assert left.check == "requantization", left
