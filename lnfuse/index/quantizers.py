@@ -36,6 +36,10 @@ _SHAPE_ONLY = frozenset({"Shape", "Size"})
 #: MatMulNBits' accuracy level at which ONNX Runtime quantizes the activation to int8 blocks; its variants
 #: (MatMulNBitsQLoRA, MatMulNBitsQkv, MatMulNBitsMlp, QMoE) take the attribute with the same policy
 _INT8_ACCURACY = 4
+#: GroupQueryAttention's attributes asking for a quantized KV cache ("NONE" by default)
+_CACHE_QUANTIZATION = ("k_quant_type", "v_quant_type")
+#: MatMulBlockQuantizedFp8Weight's optional activation scale: its input index
+_FP8_A_SCALE = 3
 
 
 def quantizes(node: ir.Node) -> bool:
@@ -49,8 +53,17 @@ def quantizes(node: ir.Node) -> bool:
     if is_op(node, "QuantizeLinear", "DynamicQuantizeLinear") or \
             is_op(node, "QuantizeLinear", "DynamicQuantizeLinear", *_QUANTIZE_INSIDE, domain="com.microsoft"):
         return True
-    if ort_op(node) is not None and (level := node.attributes.get("accuracy_level")) is not None:
-        return level.is_ref() or level.as_int() >= _INT8_ACCURACY
+    if ort_op(node) is not None and (level := node.attributes.get("accuracy_level")) is not None and \
+            (level.is_ref() or level.as_int() >= _INT8_ACCURACY):
+        return True
+    # a quantized KV cache: the new keys and values are quantized into it, and the attention reads them there
+    if is_op(node, "GroupQueryAttention", domain="com.microsoft") and \
+            any(_asks(node.attributes.get(name), "NONE") for name in _CACHE_QUANTIZATION):
+        return True
+    # given a_scale, the activation is rounded to float8 e4m3 before the product (W8A8)
+    if is_op(node, "MatMulBlockQuantizedFp8Weight", domain="com.microsoft") and \
+            len(node.inputs) > _FP8_A_SCALE and node.inputs[_FP8_A_SCALE] is not None:
+        return True
     if known_op(node) is None:
         return False  # a model-local function: the walk goes into its body instead
     if is_op(node, "Cast") and (to := node.attributes.get("to")) is not None:
@@ -61,6 +74,11 @@ def quantizes(node: ir.Node) -> bool:
     reads_float = any(v is not None and (v.dtype is None or v.dtype.is_floating_point()) for v in node.inputs)
     return reads_float and any(v.dtype in QUANTIZED if v.dtype is not None else _writes_quantized(node, i)
                                for i, v in enumerate(node.outputs))
+
+
+def _asks(attribute: ir.Attr | None, off: str) -> bool:
+    """Whether a string attribute is set to anything but ``off``, or left to the caller of a function."""
+    return attribute is not None and (attribute.is_ref() or attribute.as_string() != off)
 
 
 def _dtype(value: ir.Value | None) -> ir.DataType | None:
