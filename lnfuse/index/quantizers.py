@@ -16,11 +16,13 @@ outputs depend only on shapes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import onnx
 import onnx_ir as ir
 
-from lnfuse.index.ops import ONNX_DOMAINS, is_op, known_op, onnx_op
+from lnfuse.index.ops import ONNX_DOMAINS, is_op, known_op, onnx_op, ort_op
 from lnfuse.index.traversal import every_node, subgraphs
 
 #: element types a quantizer writes: integers of 16 bits or fewer and the 8-bit floats
@@ -31,26 +33,95 @@ QUANTIZED = frozenset({ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.INT16, i
 _QUANTIZE_INSIDE = frozenset({"DynamicQuantizeMatMul", "DynamicQuantizeLSTM"})
 #: readers whose outputs depend on their input's shape, never on its values
 _SHAPE_ONLY = frozenset({"Shape", "Size"})
-#: MatMulNBits' accuracy level at which ONNX Runtime quantizes the activation to int8 blocks
+#: MatMulNBits' accuracy level at which ONNX Runtime quantizes the activation to int8 blocks; its variants
+#: (MatMulNBitsQLoRA, MatMulNBitsQkv, MatMulNBitsMlp, QMoE) take the attribute with the same policy
 _INT8_ACCURACY = 4
+#: GroupQueryAttention's attributes asking for a quantized KV cache ("NONE" by default)
+_CACHE_QUANTIZATION = ("k_quant_type", "v_quant_type")
+#: MatMulBlockQuantizedFp8Weight's optional activation scale: its input index
+_FP8_A_SCALE = 3
 
 
 def quantizes(node: ir.Node) -> bool:
     """Whether ``node`` rounds a float it reads to a quantized grid: QuantizeLinear and DynamicQuantizeLinear, any
-    op that writes quantized integers from a float (a QLinear op's scales, a Cast to int8), and the contrib ops that
-    quantize their activation inside (DynamicQuantizeMatMul, MatMulNBits at accuracy level 4)."""
+    op that writes quantized integers from a float (a QLinear op's scales, a Cast or CastLike to int8), and the
+    contrib ops that quantize their activation inside (DynamicQuantizeMatMul, any op at accuracy level 4).
+
+    Where the graph does not say (an attribute the caller of a function picks, a type onnx's inference could not
+    give: inside an attribute-parametric function, after a contrib op), the answer is yes whenever the node could
+    quantize: a norm left unfused costs a little speed, a quantized value that moves breaks the promise."""
     if is_op(node, "QuantizeLinear", "DynamicQuantizeLinear") or \
             is_op(node, "QuantizeLinear", "DynamicQuantizeLinear", *_QUANTIZE_INSIDE, domain="com.microsoft"):
         return True
-    if is_op(node, "MatMulNBits", domain="com.microsoft"):
-        level = node.attributes.get("accuracy_level")
-        return level is not None and not level.is_ref() and level.as_int() >= _INT8_ACCURACY
+    if ort_op(node) is not None and (level := node.attributes.get("accuracy_level")) is not None and \
+            (level.is_ref() or level.as_int() >= _INT8_ACCURACY):
+        return True
+    # a quantized KV cache: the new keys and values are quantized into it, and the attention reads them there
+    if is_op(node, "GroupQueryAttention", domain="com.microsoft") and \
+            any(_asks(node.attributes.get(name), "NONE") for name in _CACHE_QUANTIZATION):
+        return True
+    # given a_scale, the activation is rounded to float8 e4m3 before the product (W8A8)
+    if is_op(node, "MatMulBlockQuantizedFp8Weight", domain="com.microsoft") and \
+            len(node.inputs) > _FP8_A_SCALE and node.inputs[_FP8_A_SCALE] is not None:
+        return True
     if known_op(node) is None:
         return False  # a model-local function: the walk goes into its body instead
-    if is_op(node, "Cast") and (to := node.attributes.get("to")) is not None and not to.is_ref():
-        return ir.DataType(to.as_int()) in QUANTIZED  # the output's type, even where inference left it unknown
-    reads_float = any(v is not None and v.dtype is not None and v.dtype.is_floating_point() for v in node.inputs)
-    return reads_float and any(v.dtype in QUANTIZED for v in node.outputs)
+    if is_op(node, "Cast") and (to := node.attributes.get("to")) is not None:
+        return to.is_ref() or ir.DataType(to.as_int()) in QUANTIZED  # the type it writes, even where not inferred
+    if is_op(node, "CastLike") and len(node.inputs) > 1:
+        like = _dtype(node.inputs[1])
+        return like is None or like in QUANTIZED
+    reads_float = any(v is not None and (v.dtype is None or v.dtype.is_floating_point()) for v in node.inputs)
+    return reads_float and any(v.dtype in QUANTIZED if v.dtype is not None else _writes_quantized(node, i)
+                               for i, v in enumerate(node.outputs))
+
+
+def _asks(attribute: ir.Attr | None, off: str) -> bool:
+    """Whether a string attribute is set to anything but ``off``, or left to the caller of a function."""
+    return attribute is not None and (attribute.is_ref() or attribute.as_string() != off)
+
+
+def _dtype(value: ir.Value | None) -> ir.DataType | None:
+    """The element type of ``value``, or of the constant a Constant node writes into it (a function body's
+    literals are typed only by their tensor), or None."""
+    if value is None:
+        return None
+    if value.dtype is not None:
+        return value.dtype
+    producer = value.producer()
+    if is_op(producer, "Constant") and (tensor := producer.attributes.get("value")) is not None \
+            and not tensor.is_ref():
+        return tensor.as_tensor().dtype
+    return None
+
+
+def _writes_quantized(node: ir.Node, index: int) -> bool:
+    """Whether the op's schema allows output ``index`` no type but quantized ones (a QLinear op's output), for an
+    output whose type is unknown."""
+    allowed = _output_types(node.domain if node.domain not in ONNX_DOMAINS else "", node.op_type)
+    return index < len(allowed) and allowed[index] is not None and allowed[index] <= _QUANTIZED_TYPE_STRS
+
+
+_QUANTIZED_TYPE_STRS = frozenset(f"tensor({t.name.lower()})" for t in QUANTIZED)
+
+
+@functools.cache
+def _output_types(domain: str, name: str) -> tuple[frozenset[str] | None, ...]:
+    """The type strings each output of op ``(domain, name)`` may have, from onnx's schemas or ONNX Runtime's (the
+    contrib ops); empty for an op neither knows."""
+    try:
+        schema = onnx.defs.get_schema(name, domain=domain)
+        outputs = [o.type_str for o in schema.outputs]
+        constraints = {t.type_param_str: t.allowed_type_strs for t in schema.type_constraints}
+    except onnx.defs.SchemaError:
+        from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+        found = [s for s in get_all_operator_schema() if s.domain == domain and s.name == name]
+        if not found:
+            return ()
+        schema = max(found, key=lambda s: s.since_version)
+        outputs = [o.typeStr for o in schema.outputs]
+        constraints = {t.type_param_str: t.allowed_type_strs for t in schema.type_constraints}
+    return tuple(frozenset(constraints.get(t, [t])) for t in outputs)
 
 
 @dataclass(frozen=True)

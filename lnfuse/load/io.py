@@ -341,7 +341,10 @@ def load(source: str | os.PathLike | onnx.ModelProto | ir.Model, base_dir: Path 
     _densify_sparse(proto, where)
     skeleton, constants, types_checked = validate(proto, where, gate)
     declared = _value_info_names(proto.graph, set())
-    claims = {v.name: v.type.SerializeToString() for v in proto.graph.value_info}
+    # a claim is about the value of that name the input computes: one naming no value (value_info a tool left
+    # behind when it removed the node) says nothing, and must not type a value lnfuse names later
+    produced = {name for node in proto.graph.node for name in node.output}
+    claims = {v.name: v.type.SerializeToString() for v in proto.graph.value_info if v.name in produced}
     pending = None
     try:
         if defer_symbolic:
