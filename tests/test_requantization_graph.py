@@ -242,3 +242,23 @@ def test_a_loop_state_quantized_in_the_body_is_reached():
     result = lnfuse.fuse(model)
     assert _norms(result.model) == 0
     assert any(u.check == "requantization" and "'body_quant'" in u.reason for u in result.report.unfused)
+
+
+def _fake_quant() -> onnx.ModelProto:
+    """A quantizer written out in float ops (x / s, Round, Clip, * s), as some QAT exports write it."""
+    nodes = [oh.make_node("Div", ["Y", "s"], ["scaled"]), oh.make_node("Round", ["scaled"], ["whole"], name="round"),
+             oh.make_node("Mul", ["whole", "s"], ["fake"])]
+    return _with_tail(nodes, [_out("fake")], SCALE)
+
+
+def _int32_cast() -> onnx.ModelProto:
+    nodes = [oh.make_node("Cast", ["Y"], ["yi"], to=TensorProto.INT32, name="to_int32")]
+    return _with_tail(nodes, [_out("yi", TensorProto.INT32)])
+
+
+@pytest.mark.parametrize("make, rounding", [(_fake_quant, "round"), (_int32_cast, "to_int32")])
+def test_a_rounding_to_whole_numbers_is_a_quantizer(make, rounding):
+    result = lnfuse.fuse(make())
+    assert _norms(result.model) == 0
+    (left,) = result.report.unfused
+    assert left.check == "requantization" and f"'{rounding}'" in left.reason, left.reason

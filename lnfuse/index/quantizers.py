@@ -33,6 +33,8 @@ QUANTIZED = frozenset({ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.INT16, i
 _QUANTIZE_INSIDE = frozenset({"DynamicQuantizeMatMul", "DynamicQuantizeLSTM"})
 #: readers whose outputs depend on their input's shape, never on its values
 _SHAPE_ONLY = frozenset({"Shape", "Size"})
+#: ops that round a float to whole numbers: a quantizer written out in float ops (x / s, Round, Clip, * s)
+_TO_WHOLE = frozenset({"Round", "Floor", "Ceil"})
 #: MatMulNBits' accuracy level at which ONNX Runtime quantizes the activation to int8 blocks; its variants
 #: (MatMulNBitsQLoRA, MatMulNBitsQkv, MatMulNBitsMlp, QMoE) take the attribute with the same policy
 _INT8_ACCURACY = 4
@@ -44,8 +46,9 @@ _FP8_A_SCALE = 3
 
 def quantizes(node: ir.Node) -> bool:
     """Whether ``node`` rounds a float it reads to a quantized grid: QuantizeLinear and DynamicQuantizeLinear, any
-    op that writes quantized integers from a float (a QLinear op's scales, a Cast or CastLike to int8), and the
-    contrib ops that quantize their activation inside (DynamicQuantizeMatMul, any op at accuracy level 4).
+    op that writes quantized integers from a float (a QLinear op's scales, a CastLike to int8, a Cast to any
+    integer or bool), Round, Floor and Ceil, and the contrib ops that quantize their activation inside
+    (DynamicQuantizeMatMul, any op at accuracy level 4).
 
     Where the graph does not say (an attribute the caller of a function picks, a type onnx's inference could not
     give: inside an attribute-parametric function, after a contrib op), the answer is yes whenever the node could
@@ -66,8 +69,15 @@ def quantizes(node: ir.Node) -> bool:
         return True
     if known_op(node) is None:
         return False  # a model-local function: the walk goes into its body instead
+    if onnx_op(node) in _TO_WHOLE:
+        return True
     if is_op(node, "Cast") and (to := node.attributes.get("to")) is not None:
-        return to.is_ref() or ir.DataType(to.as_int()) in QUANTIZED  # the type it writes, even where not inferred
+        # the type it writes, even where not inferred: any integer (a truncation to a grid of step 1), a bool (a
+        # threshold) or an 8-bit float
+        if to.is_ref():
+            return True
+        target = ir.DataType(to.as_int())
+        return target in QUANTIZED or not target.is_floating_point()
     if is_op(node, "CastLike") and len(node.inputs) > 1:
         like = _dtype(node.inputs[1])
         return like is None or like in QUANTIZED
