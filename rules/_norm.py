@@ -99,18 +99,20 @@ def check_casts(b: "Boundary") -> None:
     fused op computes with its statistics in ``stash_type``, and verification measures the difference like any
     fusion's. A Cast to a narrower float (float32 statistics rounded to float16), or out of the floats, computes
     another function: refused. A Cast of an integer is skipped: on the norm's values it follows a Cast out of the
-    floats, refused here first; otherwise it computes a shape."""
+    floats, refused here first; otherwise it computes a shape. A Cast of a value of unknown type is held to what a
+    Cast of a float must meet."""
     for node in b.region:
-        if not is_op(node, "Cast") or dtype_of(node.inputs[0]) not in FLOATS:
+        source = dtype_of(node.inputs[0]) if is_op(node, "Cast") else None
+        if not is_op(node, "Cast") or (source is not None and source not in FLOATS):
             continue
-        source, target = dtype_of(node.inputs[0]), cast_target(node)
+        target, shown = cast_target(node), source or "a value of unknown type"
         if target not in FLOATS:
-            raise Refusal("dtype", f"Cast '{node_name(node)}' turns {source} into {target} inside the norm: "
-                          "its statistics are not computed in a float", decided=True)
+            raise Refusal("dtype", f"Cast '{node_name(node)}' turns {shown} into {target} inside the norm: "
+                          "its statistics are not computed in a float", decided=source is not None)
         if not is_widening(b.dtype, target):
-            raise Refusal("dtype", f"Cast '{node_name(node)}' rounds {source} to {target} inside the norm, below "
+            raise Refusal("dtype", f"Cast '{node_name(node)}' rounds {shown} to {target} inside the norm, below "
                           f"the precision of its {b.dtype} input: not a wider computation of the same statistics",
-                          decided=True)
+                          decided=source is not None)
 
 
 def stash_type(dtype: ir.DataType) -> ir.DataType:

@@ -262,3 +262,26 @@ def test_a_rounding_to_whole_numbers_is_a_quantizer(make, rounding):
     assert _norms(result.model) == 0
     (left,) = result.report.unfused
     assert left.check == "requantization" and f"'{rounding}'" in left.reason, left.reason
+
+
+def test_an_op_of_another_domain_writing_int8_is_a_quantizer():
+    """A quantizer lnfuse has never heard of (a vendor's QuantizeLinear in its own domain, typed int8 by the model)."""
+    nodes = [oh.make_node("ExtendedQuantizeLinear", ["Y", "s", "z"], ["yq"], domain="com.vendor", name="vendor_quant")]
+    model = _norm()
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(SCALE)
+    del model.graph.output[:]
+    model.graph.output.append(oh.make_tensor_value_info("yq", TensorProto.INT8, [3, 2, H]))
+    model.opset_import.append(oh.make_opsetid("com.vendor", 1))
+    result = lnfuse.fuse(model, verify=False)  # ORT cannot run the vendor's op: the rule is the graph's alone
+    assert _norms(result.model) == 0
+    assert any(u.check == "requantization" and "'vendor_quant'" in u.reason for u in result.report.unfused)
+
+
+def test_a_cast_between_integers_rounds_nothing():
+    """ArgMax's indices cast to int32 after the norm: no float is rounded on the way, so the norm fuses."""
+    nodes = [oh.make_node("ArgMax", ["Y"], ["best"], axis=-1), oh.make_node("Cast", ["best"], ["best32"],
+                                                                          to=TensorProto.INT32, name="to_int32")]
+    model = _with_tail(nodes, [_out("Y"), _out("best32", TensorProto.INT32)])
+    result = lnfuse.fuse(model)
+    assert _norms(result.model) == 1, result.report.explain()

@@ -10,8 +10,8 @@ and model-local functions (a call's inputs into the body, the body's outputs to 
 first quantizer: what that quantizer writes is already a quantized value that moved.
 
 The walk is conservative where the graph alone cannot tell: every output of a reader counts as depending on every
-input (a Where's condition, an ArgMax's indices, a Cast to int32 all carry a difference on), except readers whose
-outputs depend only on shapes.
+input (a Where's condition, an ArgMax's indices carry a difference on), except readers whose outputs depend only on
+shapes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from lnfuse.index.ops import ONNX_DOMAINS, is_op, known_op, onnx_op, ort_op
+from lnfuse.index.ops import ONNX_DOMAINS, is_op, known_op, onnx_op, op_key, ort_op
 from lnfuse.index.traversal import every_node, subgraphs
 
 #: element types a quantizer writes: integers of 16 bits or fewer and the 8-bit floats
@@ -68,10 +68,14 @@ def quantizes(node: ir.Node) -> bool:
             len(node.inputs) > _FP8_A_SCALE and node.inputs[_FP8_A_SCALE] is not None:
         return True
     if known_op(node) is None:
-        return False  # a model-local function: the walk goes into its body instead
+        # an op of a domain lnfuse does not know (a call of a model-local function is walked into instead, by
+        # ``QuantizerReach``): it may compute anything, so it quantizes when an output is, or may be, quantized
+        return any(v.dtype is None or v.dtype in QUANTIZED for v in node.outputs)
     if onnx_op(node) in _TO_WHOLE:
         return True
     if is_op(node, "Cast") and (to := node.attributes.get("to")) is not None:
+        if (source := _dtype(node.inputs[0] if node.inputs else None)) is not None and not source.is_floating_point():
+            return False  # from integers (ArgMax's indices, a shape): nothing is rounded
         # the type it writes, even where not inferred: any integer (a truncation to a grid of step 1), a bool (a
         # threshold) or an 8-bit float
         if to.is_ref():
@@ -108,7 +112,7 @@ def _dtype(value: ir.Value | None) -> ir.DataType | None:
 def _writes_quantized(node: ir.Node, index: int) -> bool:
     """Whether the op's schema allows output ``index`` no type but quantized ones (a QLinear op's output), for an
     output whose type is unknown."""
-    allowed = _output_types(node.domain if node.domain not in ONNX_DOMAINS else "", node.op_type)
+    allowed = _output_types(*op_key(node))
     return index < len(allowed) and allowed[index] is not None and allowed[index] <= _QUANTIZED_TYPE_STRS
 
 
@@ -158,7 +162,7 @@ class QuantizerReach:
         self._none = True
         for graph in [model.graph, *self._functions.values()]:
             for node in every_node(graph):
-                self._none = self._none and not quantizes(node)
+                self._none = self._none and not self._quantizes(node)
                 for sub in subgraphs(node):
                     self._owner[id(sub)] = node
                 if (key := _call_key(node)) in self._functions:
@@ -174,7 +178,7 @@ class QuantizerReach:
             following = []
             for value in frontier:
                 for reader in self._readers(value):
-                    if quantizes(reader):
+                    if self._quantizes(reader):
                         found.setdefault(reader, Reached(reader, hops))
                     elif onnx_op(reader) not in _SHAPE_ONLY:
                         following.extend(v for v in self._carried(reader, value) if v not in seen)
@@ -182,6 +186,12 @@ class QuantizerReach:
             seen.update(following)
             frontier, hops = following, hops + 1
         return list(found.values())
+
+    def _quantizes(self, node: ir.Node) -> bool:
+        """``quantizes``, but a call of a model-local function is not judged by its outputs: its body is walked."""
+        if known_op(node) is None and _call_key(node) in self._functions:
+            return False
+        return quantizes(node)
 
     def _readers(self, value: ir.Value) -> list[ir.Node]:
         return [node for node, _ in value.uses()]
