@@ -49,7 +49,10 @@ def broadcast_inputs(ctx: GraphContext, m: Match, i: int, axis0: int, ids: list[
     end = make("Cast", [make("Gather", [node.inputs[2], const([axis0])], dtype_of(node.inputs[2]))], _INT64,
                to=_INT64.value)
     rows = int(table.shape[0])
-    n = make("Min", [end, const([rows])], _INT64)  # what the Slice keeps of rows 0..end-1
+    # how many rows the Slice keeps from row 0, as Slice reads its end: a negative end counts from the last row
+    counted = make("Max", [make("Add", [end, const([rows])], _INT64), const([0])], _INT64)
+    n = make("Where", [make("Less", [end, const([0])], ir.DataType.BOOL), counted,
+                       make("Min", [end, const([rows])], _INT64)], _INT64)
     shapes = [make("Shape", [v], _INT64) for v in ids] + [make("Concat", [const([1]), n], _INT64, axis=0)]
     if views:
         target = views[0].inputs[1]

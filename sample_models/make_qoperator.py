@@ -38,6 +38,7 @@ import onnx
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
 import lnfuse
+from checked import save_checked
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "qoperator"
@@ -85,14 +86,6 @@ def quantize(source: Source, model: Path, out: Path, **options) -> None:
     quantize_static(model, out, _Calibration(source, names), quant_format=QuantFormat.QOperator,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, **options)
     save_checked(onnx.load(out), out)
-
-
-def save_checked(model: onnx.ModelProto, path: Path) -> None:
-    """Save a sample after the full check, at an IR version older ONNX Runtime releases read too."""
-    model.ir_version = min(model.ir_version, 10)
-    onnx.checker.check_model(model, full_check=True)
-    onnx.save(model, path)
-    print(f"wrote {path.relative_to(HERE)} ({path.stat().st_size // 1024} KB)")
 
 
 def main() -> None:

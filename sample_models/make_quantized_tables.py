@@ -30,6 +30,8 @@ import onnx
 from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
                                       quantize_static)
 
+from checked import save_checked
+
 HERE = Path(__file__).resolve().parent
 VOCAB, SEQ = 100, 8
 
@@ -68,14 +70,6 @@ def main() -> None:
             quantize_dynamic(source, made[name], weight_type=QuantType.QInt8)
         for name, path in made.items():
             save_checked(onnx.load(path), HERE / name)
-
-
-def save_checked(model: onnx.ModelProto, path: Path) -> None:
-    """Save a sample after the full check, at an IR version older ONNX Runtime releases read too."""
-    model.ir_version = min(model.ir_version, 10)
-    onnx.checker.check_model(model, full_check=True)
-    onnx.save(model, path)
-    print(f"wrote {path.name} ({path.stat().st_size // 1024} KB)")
 
 
 if __name__ == "__main__":

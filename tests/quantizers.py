@@ -32,7 +32,7 @@ def _quantized_inputs(node: onnx.NodeProto) -> list[str]:
     if (domain, node.op_type) in QUANTIZERS:
         return list(node.input[:1])
     if (domain, node.op_type) == ("com.microsoft", "MatMulNBits"):
-        return list(node.input[:1]) if any(a.name == "accuracy_level" and a.i == 4 for a in node.attribute) else []
+        return list(node.input[:1]) if any(a.name == "accuracy_level" and a.i >= 4 for a in node.attribute) else []
     qoperator = node.op_type.startswith("QLinear") or (domain == "com.microsoft" and node.op_type.startswith("Q"))
     return list(node.input) if qoperator else []
 
