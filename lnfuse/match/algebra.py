@@ -13,9 +13,10 @@ What is expanded, and why it stays exact:
   is ``|f|``, not ``f``; ``f * f**-1`` is NaN at 0, not 1): see ``_power_ok`` and ``_merge_ok``;
 - a sum or product whose value is also read outside the chain stays a unit (its readers need the value itself, and
   the region must not swallow it); so does every constant and every other op;
-- a Cast of a float is read through (``cast_view``): it changes the rounding, not the number, of a value that stays
-  a float. The Casts read are in the region, and a rule proves each keeps at least its norm's precision (a Cast to
-  a narrower float, or to an integer, computes something else: ``rules/_norm.py``, ``check_casts``).
+- a Cast of a float to a number is read through (``cast_view``), and so is a Cast back to a float of such a Cast:
+  it changes the rounding, not the number. The Casts read are in the region, and a rule proves each keeps at least
+  its norm's precision (a Cast to a narrower float, or to an integer, computes something else: ``rules/_norm.py``,
+  ``check_casts``, which names it).
 Factors are compared as computations (two nodes with the same op, attributes and inputs are one factor), so the
 twin ``x - mean`` nodes of old exports still make a square.
 """
