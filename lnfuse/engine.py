@@ -119,6 +119,7 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
         # found before any rule rewrites the graph: what the report must account for, matched or not
         found_stats = statistics.find(scope.graph)
         fused_by: dict[ir.Node, tuple[str, str]] = {}
+        left_to_siblings: dict[ir.Node, tuple[str, str]] = {}
         ran: set[str] = set()
         refusals: list[tuple[Rule, _Pass]] = []
         swept = False
@@ -150,6 +151,8 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
             for candidate in kept:
                 fused_by.update(dict.fromkeys(candidate.replacement.region,
                                               (rule.name, candidate.replacement.op_type)))
+                left_to_siblings.update(dict.fromkeys(candidate.replacement.shared,
+                                                      (rule.name, candidate.replacement.op_type)))
                 apply(scope.graph, candidate.replacement, found.position, ctx.fresh_name)
                 if seeds is not None:  # what each fused output stands for, by the name the inference knows
                     replaced.update({new: replaced.get(old, old.name) for old, new in
@@ -162,6 +165,8 @@ def fuse_model(model: ir.Model, options: Options, report: Report,
                 order = None
         if removed and not swept:  # nothing fused here, but what the removals left unread goes too
             cleanup(scope.graph, [])
+        # statistics norms left to one another count as fused once every norm reading them was (they are gone)
+        fused_by.update({n: by for n, by in left_to_siblings.items() if n.graph is None and n not in fused_by})
         accounted = _record_candidates(scope, found_stats, refusals, fused_by, ran, report)
         _record_refusals(scope, refusals, report, accounted)
     if seeds is not None:

@@ -202,6 +202,7 @@ class LayerNorm(Rule):
                 stat = _as_2d(ctx, fused.outputs[index]) if flattened else fused.outputs[index]
                 outputs[old] = expose(ctx, stat, old, stash)
         done = finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
+        done.shared = shared
         if shared:
             done.notes.append(f"{len(shared)} statistic node(s) another norm of '{x.name}' also reads are left to "
                               "it (removed once nothing reads them)")

@@ -105,6 +105,7 @@ class RmsNorm(Rule):
                 fused.outputs[1].type = ir.TensorType(ir.DataType.FLOAT)
                 outputs[old] = expose(ctx, fused.outputs[1], old, ir.DataType.FLOAT)
             done = finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
+        done.shared = shared
         if shared:
             done.notes.append(f"{len(shared)} statistic node(s) another norm of '{b.x.name}' also reads are left "
                               "to it (removed once nothing reads them)")

@@ -128,6 +128,9 @@ def test_shared_statistics_fuse_every_norm(name):
         [(u.rule, u.check, u.reason) for u in result.report.unfused]
     assert not [op for op in ops if op in STATISTICS]
     assert not [n.name for n in result.model.graph.node if "layer_norm" in n.name and n.op_type in ("Neg", "Sqrt")]
+    # explain and check account for every statistic, the shared ones as fused by the norms that read them
+    assert len(result.report.candidates) == 3 and all(c.fused for c in result.report.candidates), \
+        result.report.candidates
     feeds, expected = _data(name)
     np.testing.assert_allclose(_run(result.model, feeds), expected, rtol=RTOL, atol=ATOL)
 

@@ -43,6 +43,7 @@ class Replacement:
 
     ``outputs`` maps each old value that outlives the region (the norm's result, an exposed mean...) to the new value
     that replaces it. ``region`` is every old node that disappears (the matched nodes plus any the rule absorbed).
+    ``shared``: nodes of the norm left in the graph for another norm that also reads them (removed once it is fused).
     """
 
     op_type: str
@@ -53,6 +54,7 @@ class Replacement:
     attributes: dict[str, object] = field(default_factory=dict)
     opset_imports: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    shared: list[ir.Node] = field(default_factory=list)
 
 
 def new_nodes(values: Iterable[ir.Value]) -> list[ir.Node]:
