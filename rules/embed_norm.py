@@ -34,6 +34,7 @@ from lnfuse.index.constants import is_static, static_value
 from lnfuse.match.pattern import Either, Match, Op, Pattern, Var, attr_value, noop_outputs, through_noops
 from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule, new_nodes
 from lnfuse.index.ops import is_op, onnx_op
+from lnfuse.index.quantized_tensors import PerTensor, as_stored, per_tensor, reencoded
 from ._broadcast_ids import broadcast_inputs
 from ._common import dtype_of, kernel_epsilon, node_name, read_outside, same_dim
 
@@ -168,7 +169,7 @@ class _Lookup:
     ids: ir.Value
     kind: str  # "arange" (0..S-1), "row" ((1,S) ids), "full" ((B,S) ids), or "" (none of these)
     #: the int8/uint8 table, its scale and zero point, when the lookup reads a table quantized per tensor
-    quantized: _Quantized | None = None
+    quantized: PerTensor | None = None
     #: the dequantization after the Gather (quantize_dynamic's order); None when it is in front of it (QDQ's)
     dq: ir.Node | None = None
     nodes: tuple[ir.Node, ...] = ()  # the lookup's own nodes: Reshape of the ids, Gather, dequantization, views
@@ -741,7 +742,7 @@ def _as_dim(entry) -> _Dim:
     return entry if isinstance(entry, tuple) else (int(entry), ())
 
 
-def _quantized_table(dq: ir.Node | None, after: bool) -> _Quantized | None:
+def _quantized_table(dq: ir.Node | None, after: bool) -> PerTensor | None:
     """The table a lookup reads as (q, scale, zero point) when ``dq`` dequantizes it: after the Gather
     (``after``, quantize_dynamic's order) or in front of it (QDQ's). Both are the lookup of the same int8/uint8
     table when the scale and zero point are one number each: a per-tensor dequantization commutes with the lookup.
@@ -966,33 +967,14 @@ def _int32(ctx: GraphContext, ids: ir.Value) -> ir.Value:
     return cast.outputs[0]
 
 
-@dataclass
-class _Quantized:
-    tensor: ir.Value
-    scale: ir.Value
-    zero_point: ir.Value | None  # None: DequantizeLinear's default, 0 in the tensor's type
+def _dequantized(values: list[ir.Value | None]) -> list[PerTensor] | None:
+    """Each value as a per-tensor DequantizeLinear (``quantized_tensors.per_tensor``), or None if any is not (then
+    the float kernel reads the dequantized tensors, which is exact)."""
+    found = [per_tensor(v) for v in values]
+    return None if any(f is None for f in found) else found
 
 
-def _dequantized(values: list[ir.Value | None]) -> list[_Quantized] | None:
-    """Each value as DequantizeLinear(q, scale, zero_point) with int8/uint8 q and scalar scale/zero point, or None
-    if any is not (then the float kernel reads the dequantized tensors, which is exact)."""
-    found = []
-    for value in values:
-        node = value.producer() if value is not None else None
-        if node is None or not is_op(node, "DequantizeLinear") or len(node.inputs) < 2 or \
-                attr_value(node, "block_size", 0):
-            return None
-        q, scale, zero = (list(node.inputs) + [None])[:3]
-        if dtype_of(q) not in _QUANTIZED or (zero is not None and dtype_of(zero) != dtype_of(q)):
-            return None
-        # per tensor: scalar (or one-element) scale and zero point
-        if any(v.shape is None or (len(v.shape) != 0 and list(v.shape) != [1]) for v in (scale, zero) if v):
-            return None
-        found.append(_Quantized(q, scale, zero))
-    return found
-
-
-def _qembed_inputs(ctx: GraphContext, word: _Lookup, segment: _Lookup | None, q: list[_Quantized]) -> list:
+def _qembed_inputs(ctx: GraphContext, word: _Lookup, segment: _Lookup | None, q: list[PerTensor]) -> list:
     """The kernel's inputs: ids, segment ids, the five quantized tensors, no mask, their scales and zero points
     (all of one type, ``_one_type``)."""
     word_q, pos_q = q[0], q[1]
@@ -1003,15 +985,12 @@ def _qembed_inputs(ctx: GraphContext, word: _Lookup, segment: _Lookup | None, q:
             + [p.scale if p else None for p in parts] + [p.zero_point if p else None for p in parts])
 
 
-_QUANTIZED = (ir.DataType.INT8, ir.DataType.UINT8)
-
-
-def _one_type(ctx: GraphContext, parts: list[_Quantized | None]) -> list[_Quantized | None]:
+def _one_type(ctx: GraphContext, parts: list[PerTensor | None]) -> list[PerTensor | None]:
     """The kernel takes every quantized tensor and zero point in one type (uint8 or int8). The word table's type is
     kept (the largest tensor keeps its bytes); another part is re-encoded exactly: int8 q with zero point z is
     uint8 q + 128 with zero point z + 128, the same (q - z) * scale. An absent zero point is DequantizeLinear's 0."""
     wanted = dtype_of(parts[0].tensor)
-    out: list[_Quantized | None] = []
+    out: list[PerTensor | None] = []
     for part in parts:
         if part is None:
             out.append(None)
@@ -1019,22 +998,21 @@ def _one_type(ctx: GraphContext, parts: list[_Quantized | None]) -> list[_Quanti
         zero = part.zero_point if part.zero_point is not None else ctx.constant(
             np.zeros((), dtype_of(part.tensor).numpy()), f"{part.tensor.name}_zero_point")
         if dtype_of(part.tensor) == wanted:
-            out.append(_Quantized(part.tensor, part.scale, zero))
+            out.append(PerTensor(part.tensor, part.scale, zero))
             continue
         arrays = [static_value(part.tensor), static_value(zero)]
         if any(a is None for a in arrays):
             raise Refusal("quantized", f"'{part.tensor.name}' is {dtype_of(part.tensor)} where the word table is "
                           f"{wanted}: QEmbedLayerNormalization takes one type, and a tensor computed at run time "
                           "cannot be re-encoded")
-        shift = 128 if wanted == ir.DataType.UINT8 else -128
-        tensor, zero = (ctx.constant((a.astype(np.int16) + shift).astype(wanted.numpy()).reshape(a.shape),
-                                     f"{v.name}_{wanted.name.lower()}") for a, v in zip(arrays, (part.tensor, zero)))
-        out.append(_Quantized(tensor, part.scale, zero))
+        tensor, zero = (ctx.constant(reencoded(a, wanted), f"{v.name}_{wanted.name.lower()}")
+                        for a, v in zip(arrays, (part.tensor, zero)))
+        out.append(PerTensor(tensor, part.scale, zero))
     return out
 
 
 def _quantized_tables(ctx: GraphContext, tables: list[_Lookup], norm: tuple, read_sums: list[ir.Value],
-                      dtype: ir.DataType) -> tuple[list[_Quantized] | None, list[str]]:
+                      dtype: ir.DataType) -> tuple[list[PerTensor] | None, list[str]]:
     """What a block over int8/uint8 tables becomes: QEmbedLayerNormalization over the tables as they are when
     gamma and beta are quantized per tensor too (exact but for the kernel's rounding), the quantized parts in the
     kernel's order. The float EmbedLayerNormalization would read each table through a DequantizeLinear of the whole
@@ -1065,7 +1043,7 @@ def _quantized_tables(ctx: GraphContext, tables: list[_Lookup], norm: tuple, rea
     stored = [lk.quantized for lk in tables if lk.quantized]
     floats = [lk.table for lk in tables if lk.quantized is None] + ([] if gamma_beta else [gamma, beta])
     if ctx.quantize_embeddings and ctx.path == "main" and \
-            all(_stored_constant(q.tensor) and q.zero_point is not None for q in stored) and \
+            all(as_stored(q) for q in stored) and \
             all(is_static(v) for v in floats):
         return None, ["written over the dequantized tables for --quantize-embeddings, which turns it into "
                       "QEmbedLayerNormalization over the tables as they are"]

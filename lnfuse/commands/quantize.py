@@ -21,6 +21,7 @@ from lnfuse.report import Fused, Report, Unfused
 from lnfuse.match.rule import GraphContext
 from lnfuse.verification.whole_model import compare_models, random_inputs
 from lnfuse.index.ops import ORT_DOMAIN, is_op, op_key
+from lnfuse.index.quantized_tensors import as_stored, per_tensor, reencoded
 
 SCHEMES = ("uint8", "int8")
 
@@ -94,18 +95,10 @@ def _ineligible(node: ir.Node) -> str:
 
 
 def _per_tensor(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
-    """(q, scale, zero_point) when ``value`` is DequantizeLinear of a constant int8/uint8 tensor with one scale and
-    one zero point (a table quantize_dynamic quantized), else None."""
-    node = value.producer()
-    if node is None or not is_op(node, "DequantizeLinear") or len(node.inputs) < 3 or node.inputs[2] is None:
-        return None
-    q, scale, zero = node.inputs[:3]
-    stored = q.const_value is not None or (q.producer() is not None and is_op(q.producer(), "Constant"))
-    if not stored or q.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or zero.dtype != q.dtype:
-        return None
-    if any(static_value(v) is None or static_value(v).size != 1 for v in (scale, zero)):
-        return None
-    return q, scale, zero
+    """(q, scale, zero_point) when ``value`` is a per-tensor dequantization of a stored int8/uint8 tensor (a table
+    quantize_dynamic quantized), else None."""
+    part = per_tensor(value)
+    return (part.tensor, part.scale, part.zero_point) if part is not None and as_stored(part) else None
 
 
 def _quantize(ctx: GraphContext, value: ir.Value, scheme: str) -> tuple[ir.Value, ir.Value, ir.Value]:
@@ -135,14 +128,13 @@ def _stored_type(kept: list, scheme: str) -> ir.DataType:
 def _one_type(ctx: GraphContext, parts: list, wanted: ir.DataType) -> list:
     """Every part in the type ``wanted``: a part in the other type is re-encoded exactly (int8 q with zero point z
     is uint8 q + 128 with zero point z + 128, the same (q - z) * scale)."""
-    shift = 128 if wanted == ir.DataType.UINT8 else -128
     out = []
     for part in parts:
         if part is None or part[0].dtype == wanted:
             out.append(part)
             continue
         q, scale, zero = part
-        q_new, zero_new = ((static_value(v).astype(np.int16) + shift).astype(wanted.numpy()) for v in (q, zero))
+        q_new, zero_new = (reencoded(static_value(v), wanted) for v in (q, zero))
         out.append((ctx.constant(q_new, f"{q.name}_{wanted.name.lower()}"), scale,
                     ctx.constant(zero_new, f"{zero.name}_{wanted.name.lower()}")))
     return out
