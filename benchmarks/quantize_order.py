@@ -44,6 +44,11 @@ def pipelines(tmp: Path, fp32: Path) -> dict[str, Path]:
     static = dict(quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
     quantize_static(fp32, out("qdq"), _Calibration(), **static)
     quantize_static(out("fused"), out("fused_qdq"), _Calibration(), extra_options=UNTYPED, **static)
+    # the same without the types lnfuse declares for the values it writes: what the quantizer does without them
+    untyped = onnx.load(out("fused"))
+    del untyped.graph.value_info[:]
+    onnx.save(untyped, out("fused_untyped"))
+    quantize_static(out("fused_untyped"), out("fused_untyped_qdq"), _Calibration(), extra_options=UNTYPED, **static)
     return {
         "quantize_dynamic only": out("dynamic"),
         "quantize_dynamic, then lnfuse": out("dynamic_fused"),
@@ -51,6 +56,7 @@ def pipelines(tmp: Path, fp32: Path) -> dict[str, Path]:
         "lnfuse --quantize-embeddings uint8, then quantize_dynamic": out("fused_qembed_dynamic"),
         "quantize_static QDQ only": out("qdq"),
         "lnfuse, then quantize_static QDQ": out("fused_qdq"),
+        "lnfuse, value_info removed, then quantize_static QDQ": out("fused_untyped_qdq"),
     }
 
 
