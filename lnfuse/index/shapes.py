@@ -33,7 +33,9 @@ class TypesDisagree(Exception):
 
 
 #: what onnx's strict inference says when types do not line up
-_TYPE_ERRORS = ("TypeInferenceError", "inconsistent type", "unsupported type")
+#: how onnx's strict inference says types do not line up; "ParseData type mismatch" is a constant input of another
+#: type than its op takes (Unsqueeze axes in double), which ONNX Runtime refuses as a type error too
+_TYPE_ERRORS = ("TypeInferenceError", "inconsistent type", "unsupported type", "ParseData type mismatch")
 
 
 def type_error(error: Exception) -> str | None:
