@@ -67,6 +67,7 @@ def _same(original: onnx.ModelProto, fused: onnx.ModelProto, feeds_list) -> None
     ("", "Identity", 17, False), ("ai.onnx", "Identity", 17, False), ("", "Relu", 13, False),
     ("com.microsoft", "Gelu", 17, False),   # a contrib op ORT registers: its kernel runs, not the function
     ("com.microsoft", "NotAnOrtOp", 17, True),  # nothing registered: the function runs
+    ("com.microsoft", "Unsqueeze", 17, True),  # ONNX's name, but ORT registers no such contrib op: the function runs
     ("evil", "Identity", 17, True)])
 def test_onnx_runtime_runs_the_registered_op_not_a_function_of_its_name(domain, name, opset, runs_function):
     # what ops.py rests on: a model-local function never stands in for an op ORT registers in that domain, so a
@@ -224,6 +225,16 @@ def _bare_uses(path: Path) -> list[tuple[int, str]]:
         if hit is not None:
             found.append((hit.lineno, source.splitlines()[hit.lineno - 1].strip()))
     return found
+
+
+def test_a_contrib_name_onnx_runtime_does_not_register_is_no_op():
+    """``com.microsoft::Unsqueeze`` is whatever the model's function of that name computes (the case above): the
+    predicate names no op for it, so no rule reads it as a view and no inference types it as one."""
+    from lnfuse.index.ops import known_op, ort_op
+    registered, unregistered = oh.make_node("Gelu", ["x"], ["y"], domain="com.microsoft"), \
+        oh.make_node("Unsqueeze", ["x", "a"], ["y"], domain="com.microsoft")
+    assert ort_op(registered) == known_op(registered) == "Gelu"
+    assert ort_op(unregistered) is None and known_op(unregistered) is None
 
 
 def test_no_step_decides_an_op_by_its_name_alone():

@@ -18,6 +18,7 @@ No model-local function shadows an op these functions name, and no opset range n
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import onnx
@@ -47,10 +48,20 @@ def onnx_op(node: _Named | None) -> str | None:
 
 
 def ort_op(node: _Named | None) -> str | None:
-    """The name of the ONNX Runtime contrib op (domain "com.microsoft") ``node`` is, or None."""
-    if node is None or node.domain != ORT_DOMAIN:
+    """The name of the ONNX Runtime contrib op (domain "com.microsoft") ``node`` is, or None. A name ONNX Runtime
+    registers no op for in that domain (``com.microsoft::Unsqueeze``) is no contrib op: ONNX Runtime runs the
+    model-local function of that name, which may compute anything."""
+    if node is None or node.domain != ORT_DOMAIN or node.op_type not in _contrib_ops():
         return None
     return node.op_type
+
+
+@functools.cache
+def _contrib_ops() -> frozenset[str]:
+    """The op names ONNX Runtime registers in "com.microsoft" (read once: the registry is fixed per install)."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+
+    return frozenset(schema.name for schema in get_all_operator_schema() if schema.domain == ORT_DOMAIN)
 
 
 def known_op(node: _Named | None) -> str | None:

@@ -23,7 +23,7 @@ import onnx_ir as ir
 from lnfuse.index.budget import MAX_ELEMENTS, SIZE_PRODUCING, elements
 from lnfuse.index.library_budget import Hidden, hide_oversized, restore
 from lnfuse.index.traversal import every_node, every_proto_node
-from lnfuse.index.ops import onnx_op
+from lnfuse.index.ops import known_op, onnx_op
 
 
 class TypesDisagree(Exception):
@@ -417,18 +417,15 @@ def ort_symbolic(proto: onnx.ModelProto, check: Callable[[], None] | None = None
         _restore_op_types(proto, disguised)
 
 
-#: domains whose ops ORT's symbolic inference knows by name
-_KNOWN_DOMAINS = ("", "ai.onnx", "com.microsoft")
-
-
 def _undisguise(proto: onnx.ModelProto) -> dict[str, str]:
-    """Rename, in the main graph, every node of another domain (a model-local function's call, a custom op) so
-    that ORT's symbolic inference, which looks ops up by name alone, cannot take a function named
-    ``LayerNormalization`` for ONNX's op and type its output like the op's first input. Returns the original op
-    types by first output name, for ``_restore_op_types``."""
+    """Rename, in the main graph, every node that is no op of ONNX's or ONNX Runtime's (a model-local function's
+    call, a custom op, a "com.microsoft" name ONNX Runtime registers nothing for) so that ORT's symbolic
+    inference, which looks ops up by name alone, cannot take a function named ``LayerNormalization`` or
+    ``com.microsoft::Unsqueeze`` for ONNX's op and type its output as the op's. Returns the original op types by
+    first output name, for ``_restore_op_types``."""
     renamed = {}
     for node in proto.graph.node:
-        if node.domain not in _KNOWN_DOMAINS and node.output:
+        if known_op(node) is None and node.output:
             renamed[node.output[0]] = node.op_type
             node.op_type = f"lnfuse_unknown_{len(renamed)}"
     return renamed
