@@ -1,0 +1,86 @@
+"""Red team, round 9: Keras' sliced position tables, statistics shared between norms, quantized embedding tables.
+
+Each model below runs in ONNX Runtime at the sizes fed; lnfuse under its default options must write a model that
+computes the same there (or runs wherever the original runs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+import lnfuse
+
+H, VOCAB = 8, 20
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _same(model: onnx.ModelProto, fused: onnx.ModelProto, feeds: dict) -> None:
+    expected = _run(model, feeds)
+    for want, got in zip(expected, _run(fused, feeds)):
+        assert want.shape == got.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _embedding(end_nodes: list, rows: int, ids_shape=("B", "S")) -> onnx.ModelProto:
+    """LayerNorm(word[ids] + pos[0:end]), Keras' PositionEmbedding with ``end`` computed by ``end_nodes`` from
+    ``shape`` = Shape(ids)."""
+    rng = np.random.default_rng(0)
+    nodes = [oh.make_node("Gather", ["word", "ids"], ["we"]),
+             oh.make_node("Shape", ["ids"], ["shape"]),
+             *end_nodes,
+             oh.make_node("Slice", ["pos", "zero", "end", "zero"], ["pe"]),
+             oh.make_node("Add", ["we", "pe"], ["sum"]),
+             oh.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5)]
+    inits = [numpy_helper.from_array(a, n) for n, a in [
+        ("word", rng.standard_normal((VOCAB, H)).astype(np.float32)),
+        ("pos", rng.standard_normal((rows, H)).astype(np.float32)),
+        ("zero", np.array([0])), ("one", np.array([1])), ("two", np.array([2])),
+        ("gamma", (rng.standard_normal(H) + 1).astype(np.float32)),
+        ("beta", rng.standard_normal(H).astype(np.float32))]]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("ids", TensorProto.INT64, list(ids_shape))],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", H])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def _ids(seq: int) -> dict:
+    return {"ids": np.random.default_rng(1).integers(0, VOCAB, (1, seq))}
+
+
+@pytest.mark.parametrize("narrow", [TensorProto.UINT8, TensorProto.INT8, TensorProto.INT16])
+def test_slice_end_through_a_narrowing_cast_is_not_the_sequence_length(narrow):
+    """end = Cast(Cast(S, uint8), int64) is S only below 256: at S = 257 the Slice keeps row 0 alone, which the Add
+    broadcasts to every position, while EmbedLayerNormalization adds positions 0..256. The verification sizes
+    (2 to 7) never wrap."""
+    wrap = {TensorProto.UINT8: 257, TensorProto.INT8: 257, TensorProto.INT16: 65537}[narrow]
+    model = _embedding([oh.make_node("Slice", ["shape", "one", "two"], ["s"]),
+                        oh.make_node("Cast", ["s"], ["narrow"], to=narrow),
+                        oh.make_node("Cast", ["narrow"], ["end"], to=TensorProto.INT64)], rows=wrap + 10)
+    fused = lnfuse.fuse(model).model
+    for seq in (3, wrap):
+        _same(model, fused, _ids(seq))
+
+
+def test_slice_end_through_a_cast_to_bool_runs_where_the_original_runs():
+    """end = Cast(Cast(S, bool), int64) is 1: the one position row is broadcast. The embedding rule's verification
+    refuses its rewrite; the Skip op written instead must still run (ORT's symbolic inference carries S through the
+    Cast to bool, so the position term was taken for [S, H])."""
+    model = _embedding([oh.make_node("Slice", ["shape", "one", "two"], ["s"]),
+                        oh.make_node("Cast", ["s"], ["flag"], to=TensorProto.BOOL),
+                        oh.make_node("Cast", ["flag"], ["end"], to=TensorProto.INT64)], rows=16)
+    fused = lnfuse.fuse(model).model
+    _same(model, fused, _ids(3))
