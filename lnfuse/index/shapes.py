@@ -455,6 +455,11 @@ def _ort_symbolic_shape_infer():
     return sys.modules[name]
 
 
+#: the types a Cast may carry a shape's values through (``Recording._infer_Cast``)
+_HOLDS_SIZES = frozenset({onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT32,
+                          onnx.TensorProto.UINT64, onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
+
+
 def _recording_inference():
     class Recording(_ort_symbolic_shape_infer().SymbolicShapeInference):
         """ORT's inference, recording each node where it merged two different dims. Where they meet in a
@@ -473,6 +478,16 @@ def _recording_inference():
                 self.check()
             self.current = node
             return super()._onnx_infer_single_node(node)
+
+        def _infer_Cast(self, node):  # noqa: N802 - ORT's dispatch name
+            """ORT carries a shape's values through any Cast; only a type that holds every size keeps them: a
+            sequence length Cast to bool is 1, to uint8 it wraps at 256, to float16 it rounds past 2048. Carried,
+            Slice(table, 0, Cast(Cast(S, bool), int64)) was typed [S, H] where it is [1, H], and the Skip op written
+            over its Add failed where the Add broadcasts (red team, round 9). float32 keeps them (exact to 2**24
+            per dim): the resize chains of detectors Cast their sizes through it."""
+            to = _ort_symbolic_shape_infer().get_attribute(node, "to")
+            if to in _HOLDS_SIZES:
+                super()._infer_Cast(node)
 
         def _infer_Resize(self, node):  # noqa: N802 - ORT's dispatch name
             """With ``plain_resize``, the dims ORT would get from ``simplify(floor(d * scale))`` or
