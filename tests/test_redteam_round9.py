@@ -84,3 +84,20 @@ def test_slice_end_through_a_cast_to_bool_runs_where_the_original_runs():
                         oh.make_node("Cast", ["flag"], ["end"], to=TensorProto.INT64)], rows=16)
     fused = lnfuse.fuse(model).model
     _same(model, fused, _ids(3))
+
+
+@pytest.mark.parametrize("tokens, segments", [((0, 8), (1, 8)), ((1, 8), (0, 8)), ((0, 1), (1, 8))])
+def test_bert_ids_broadcast_with_an_empty_batch(tokens, segments):
+    """keras-hub's BERT through tf2onnx broadcasts token ids of batch 0 with segment ids of batch 1 to batch 0 (the
+    Add broadcasts 1 to 0), and runs. The ids were expanded to the elementwise Max of their shapes, batch 1, which is
+    not their broadcast: the kernel then had ids of batch 0 and segment ids of batch 1."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "sample_models" / "frameworks" / "keras_hub" / "tf_bert.onnx"
+    model = onnx.load(str(path))
+    fused = lnfuse.fuse(model).model
+    assert any(n.op_type == "EmbedLayerNormalization" for n in fused.graph.node)
+    rng = np.random.default_rng(9)
+    feeds = {"token_ids": rng.integers(0, 100, tokens).astype(np.int32),
+             "segment_ids": rng.integers(0, 2, segments).astype(np.int32),
+             "padding_mask": np.ones(tokens, np.int32)}
+    _same(model, fused, feeds)
