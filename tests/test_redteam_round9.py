@@ -101,3 +101,20 @@ def test_bert_ids_broadcast_with_an_empty_batch(tokens, segments):
              "segment_ids": rng.integers(0, 2, segments).astype(np.int32),
              "padding_mask": np.ones(tokens, np.int32)}
     _same(model, fused, feeds)
+
+
+@pytest.mark.parametrize("scheme", ["uint8", "int8"])
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_quantize_embeddings_of_a_table_holding_nan_or_inf(scheme, bad):
+    """A word table with one NaN (or -inf) entry: --quantize-embeddings took its range for the scale, and crashed
+    (uint8: the zero point of a NaN range) or made every entry NaN (int8), where the model is NaN only where that row
+    is read. The block is left to the float kernel instead."""
+    model = _embedding([oh.make_node("Slice", ["shape", "one", "two"], ["end"])], rows=16)
+    word = next(t for t in model.graph.initializer if t.name == "word")
+    table = numpy_helper.to_array(word).copy()
+    table[3, 2] = bad
+    word.CopyFrom(numpy_helper.from_array(table, "word"))
+    result = lnfuse.fuse(model, quantize_embeddings=scheme)
+    feeds = {"ids": np.array([[1, 2, 4]])}  # row 3 unread: the model's output is finite
+    assert np.isfinite(_run(result.model, feeds)[0]).all()
+    _same(model, result.model, feeds)
