@@ -91,6 +91,12 @@ def _ineligible(node: ir.Node) -> str:
         return f"it computes in {node.outputs[0].dtype}; QEmbedLayerNormalization has a float32 kernel only"
     if any(v is not None and static_value(v) is None and _per_tensor(v) is None for v in inputs[2:7]):
         return "its tables, gamma or beta are not constants"
+    # a NaN or infinite entry has no scale: the range would be NaN (uint8 crashed taking its zero point) and int8
+    # would make every dequantized entry NaN, where the float model is NaN only where that row is read
+    for value in inputs[2:7]:
+        array = static_value(value) if value is not None and _per_tensor(value) is None else None
+        if array is not None and array.dtype.kind == "f" and not np.isfinite(array).all():
+            return f"'{value.name}' holds NaN or infinite values, which no per-tensor scale represents"
     return ""
 
 
