@@ -118,3 +118,38 @@ def test_quantize_embeddings_of_a_table_holding_nan_or_inf(scheme, bad):
     feeds = {"ids": np.array([[1, 2, 4]])}  # row 3 unread: the model's output is finite
     assert np.isfinite(_run(result.model, feeds)[0]).all()
     _same(model, result.model, feeds)
+
+
+def _norms_sharing_statistics(count: int) -> onnx.ModelProto:
+    """``count`` LayerNorms of one input written out, sharing the mean, the variance and the standard deviation
+    (an exporter's common subexpressions), each with its own gamma and beta: a model of a few tens of KB."""
+    rng = np.random.default_rng(0)
+    nodes = [oh.make_node("ReduceMean", ["x"], ["mean"], axes=[-1]), oh.make_node("Sub", ["x", "mean"], ["d"]),
+             oh.make_node("Mul", ["d", "d"], ["sq"]), oh.make_node("ReduceMean", ["sq"], ["var"], axes=[-1]),
+             oh.make_node("Add", ["var", "eps"], ["ve"]), oh.make_node("Sqrt", ["ve"], ["sd"])]
+    inits, outputs = [numpy_helper.from_array(np.float32(1e-5), "eps")], []
+    for i in range(count):
+        nodes += [oh.make_node("Div", ["d", "sd"], [f"n{i}"]), oh.make_node("Mul", [f"n{i}", f"g{i}"], [f"m{i}"]),
+                  oh.make_node("Add", [f"m{i}", f"b{i}"], [f"y{i}"])]
+        inits += [numpy_helper.from_array(rng.standard_normal(H).astype(np.float32), f"g{i}"),
+                  numpy_helper.from_array(rng.standard_normal(H).astype(np.float32), f"b{i}")]
+        outputs.append(oh.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["B", "S", H]))
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", H])], outputs,
+                          inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+def test_many_norms_sharing_statistics_fuse_in_time_linear_in_their_number():
+    """Each norm proved every other norm's readers of the shared statistics its siblings, anew: quadratic in the
+    number of norms (120 norms 6.5 s, 240 norms 25 s, 300 about 40 s for a 60 KB model). The proofs hold for the
+    pass: 300 norms take a few seconds."""
+    import time
+    model = _norms_sharing_statistics(300)
+    start = time.perf_counter()
+    result = lnfuse.fuse(model)
+    took = time.perf_counter() - start
+    assert [n.op_type for n in result.model.graph.node] == ["LayerNormalization"] * 300
+    assert took < 20, f"{took:.1f} s"
+    _same(model, result.model, {"x": np.random.default_rng(2).standard_normal((2, 3, H)).astype(np.float32)})
