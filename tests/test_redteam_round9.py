@@ -153,3 +153,23 @@ def test_many_norms_sharing_statistics_fuse_in_time_linear_in_their_number():
     assert [n.op_type for n in result.model.graph.node] == ["LayerNormalization"] * 300
     assert took < 20, f"{took:.1f} s"
     _same(model, result.model, {"x": np.random.default_rng(2).standard_normal((2, 3, H)).astype(np.float32)})
+
+
+def test_quantize_embeddings_never_leaves_a_whole_table_dequantized_for_a_nan_gamma():
+    """quantize_dynamic's BERT (int8 tables) with a NaN in the float gamma, under --quantize-embeddings: the
+    embedding rule handed the block over (EmbedLayerNormalization reading each table through a DequantizeLinear of
+    the whole table) to a pass that cannot quantize gamma; the block must be left to the norm rules instead."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "sample_models" / "bert_tiny_dynamic_int8_op14.onnx"
+    model = onnx.load(str(path))
+    gamma = next(t for t in model.graph.initializer if t.name == "model.embeddings.LayerNorm.weight")
+    values = numpy_helper.to_array(gamma).copy()
+    values[1] = np.nan
+    gamma.CopyFrom(numpy_helper.from_array(values, gamma.name))
+    result = lnfuse.fuse(model, quantize_embeddings="uint8", allow_requantization=True)
+    ops = [n.op_type for n in result.model.graph.node]
+    assert "EmbedLayerNormalization" not in ops and "QEmbedLayerNormalization" not in ops
+    rng = np.random.default_rng(3)
+    feeds = {i.name: rng.integers(0, 2 if i.name == "token_type_ids" else 100, (2, 5)) for i in model.graph.input}
+    feeds.update({n: np.ones((2, 5), np.int64) for n in feeds if n == "attention_mask"})
+    _same(model, result.model, feeds)
