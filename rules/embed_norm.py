@@ -34,7 +34,7 @@ from lnfuse.index.constants import is_static, static_value
 from lnfuse.match.pattern import Either, Match, Op, Pattern, Var, attr_value, noop_outputs, through_noops
 from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule, new_nodes
 from lnfuse.index.ops import is_op, onnx_op
-from lnfuse.index.quantized_tensors import PerTensor, as_stored, per_tensor, reencoded
+from lnfuse.index.quantized_tensors import PerTensor, as_stored, per_tensor, reencoded, scalable
 from ._broadcast_ids import broadcast_inputs
 from ._common import dtype_of, kernel_epsilon, node_name, read_outside, same_dim
 
@@ -1051,7 +1051,7 @@ def _quantized_tables(ctx: GraphContext, tables: list[_Lookup], norm: tuple, rea
     floats = [lk.table for lk in tables if lk.quantized is None] + ([] if gamma_beta else [gamma, beta])
     if ctx.quantize_embeddings and ctx.path == "main" and \
             all(as_stored(q) for q in stored) and \
-            all(is_static(v) for v in floats):
+            all(is_static(v) and scalable(static_value(v)) for v in floats):
         return None, ["written over the dequantized tables for --quantize-embeddings, which turns it into "
                       "QEmbedLayerNormalization over the tables as they are"]
     raise Refusal("quantized", f"the tables are quantized and {' and '.join(float_parts)}: "

@@ -21,7 +21,7 @@ from lnfuse.report import Fused, Report, Unfused
 from lnfuse.match.rule import GraphContext
 from lnfuse.verification.whole_model import compare_models, random_inputs
 from lnfuse.index.ops import ORT_DOMAIN, is_op, op_key
-from lnfuse.index.quantized_tensors import as_stored, per_tensor, reencoded
+from lnfuse.index.quantized_tensors import as_stored, per_tensor, reencoded, scalable
 
 SCHEMES = ("uint8", "int8")
 
@@ -95,7 +95,7 @@ def _ineligible(node: ir.Node) -> str:
     # would make every dequantized entry NaN, where the float model is NaN only where that row is read
     for value in inputs[2:7]:
         array = static_value(value) if value is not None and _per_tensor(value) is None else None
-        if array is not None and array.dtype.kind == "f" and not np.isfinite(array).all():
+        if array is not None and not scalable(array):
             return f"'{value.name}' holds NaN or infinite values, which no per-tensor scale represents"
     return ""
 
