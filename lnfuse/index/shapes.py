@@ -408,11 +408,23 @@ def ort_symbolic(proto: onnx.ModelProto, check: Callable[[], None] | None = None
             inference._update_output_from_vi()
             _rename_assumed_dims(inference.out_mp_, inference.assumed, inference.suggested_merge_)
             _restore_op_types(inference.out_mp_, disguised)
+            _negative_dims_unknown(inference.out_mp_.graph)
             return inference.out_mp_
     except Exception:  # noqa: BLE001 - many internal failure types; onnx's inference is the fallback
         return None
     finally:
         _restore_op_types(proto, disguised)
+
+
+def _negative_dims_unknown(graph: onnx.GraphProto) -> None:
+    """ORT's inference gives ``table[0:INT32_MIN]`` (rows 0..-1, none) the dim -1, which is no size: it is left
+    unknown, as a declared -1 is. Kept, verification drew inputs of that shape and crashed (red team, round 9)."""
+    for info in [*graph.value_info, *graph.output]:
+        for dim in info.type.tensor_type.shape.dim:
+            if dim.HasField("dim_value") and dim.dim_value < 0:
+                dim.Clear()
+    for body in _subgraphs(graph):
+        _negative_dims_unknown(body)
 
 
 #: domains whose ops ORT's symbolic inference knows by name
