@@ -194,3 +194,17 @@ def test_position_slice_ending_at_int32_min_does_not_crash():
     except Exception:  # noqa: BLE001 - the model itself fails here: only the crash is under test
         return
     _same(model, result.model, feeds)
+
+
+def test_where_on_an_equal_of_the_sequence_length_is_not_the_sequence_length():
+    """end = Where(S == 100, 1, S): ORT's symbolic inference took S == 100 for False (Python's == on sympy
+    expressions) and typed the position rows [S, H]; at S = 100 they are [1, H], which the Add broadcasts. The
+    Skip op written over that Add failed there ("last two dimensions of skip needs to be same as input"), and
+    verification, feeding the rows in the inferred shape at small sizes, could not see it."""
+    model = _embedding([oh.make_node("Slice", ["shape", "one", "two"], ["s"]),
+                        oh.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.array([100]))),
+                        oh.make_node("Equal", ["s", "k"], ["eq"]),
+                        oh.make_node("Where", ["eq", "one", "s"], ["end"])], rows=200)
+    fused = lnfuse.fuse(model).model
+    for seq in (3, 100):
+        _same(model, fused, _ids(seq))
