@@ -23,7 +23,7 @@ import onnx_ir as ir
 from lnfuse.index.budget import MAX_ELEMENTS, SIZE_PRODUCING, elements
 from lnfuse.index.library_budget import Hidden, hide_oversized, restore
 from lnfuse.index.traversal import every_node, every_proto_node
-from lnfuse.index.ops import onnx_op
+from lnfuse.index.ops import is_op, onnx_op
 
 
 class TypesDisagree(Exception):
@@ -501,6 +501,21 @@ def _recording_inference():
             if to in _HOLDS_SIZES:
                 super()._infer_Cast(node)
 
+        def _infer_symbolic_compute_ops(self, node):
+            """ORT computes Equal of shape values with Python's ``==``, which compares sympy expressions as
+            written: S == 100 is False, and Where(S == 100, 1, S) was inferred S, where at S = 100 it is 1 (a
+            position Slice of one row, which the Add broadcasts and a Skip op written over it does not; red team,
+            round 9). Equal is kept only where sympy decides it for every size."""
+            if is_op(node, "Equal") and len(node.input) == 2:
+                values = self._get_int_or_float_values(node, broadcast=True)
+                if any(v is None for v in values):
+                    return
+                pairs = zip(*values) if any(isinstance(v, list) for v in values) else [values]
+                sympy = _ort_symbolic_shape_infer().sympy
+                if not all(_equal_decided(sympy.sympify(a), sympy.sympify(b)) for a, b in pairs):
+                    return
+            super()._infer_symbolic_compute_ops(node)
+
         def _infer_Resize(self, node):  # noqa: N802 - ORT's dispatch name
             """With ``plain_resize``, the dims ORT would get from ``simplify(floor(d * scale))`` or
             ``simplify(floor(size))`` without ``simplify``, which takes up to seconds per node on a detector's neck
@@ -573,6 +588,15 @@ def _recording_inference():
             return (2, len(name))
 
     return Recording
+
+
+def _equal_decided(a, b) -> bool:
+    """Whether ORT's ``a == b`` on two shape values holds for every size: sympy decides their difference, or one is
+    a negative number, which a size never is (torch's ``Where(shape == -1, 1, shape)`` before an Expand, whose
+    other side is an expression sympy cannot bound)."""
+    if (a - b).is_zero is not None:
+        return True
+    return any(side.is_number and side < 0 for side in (a, b))
 
 
 def _whole(value) -> bool:
