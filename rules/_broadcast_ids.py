@@ -3,8 +3,8 @@
 keras-hub's BERT exported by tf2onnx reads token ids and segment ids from two graph inputs whose dims tf2onnx names
 apart, and slices its position table to the token ids' length: the embedding sum is the broadcast of
 ``word[ids_a]`` ([Ba, Sa, H]), ``segment[ids_b]`` ([Bb, Sb, H]) and ``Expand(table[0:n], T)`` ([n, H] spread to the
-shape T). The kernel wants one [B, S] shape for its ids and positions, so each is expanded to the broadcast shape
-``common = max(shape(ids_a), shape(ids_b), [1, n], T[:2])`` and the positions are given as ids,
+shape T). The kernel wants one [B, S] shape for its ids and positions, so each is expanded to ``common``, the
+broadcast of ``shape(ids_a)``, ``shape(ids_b)``, ``[1, n]`` and ``T[:2]``, and the positions are given as ids,
 ``Expand([0..n-1], common)``. Where the original runs (every dim equal or 1), this is the same sum exactly: each
 term is its own lookup repeated along the axes the Add repeats it. Where it does not, an Expand fails as the Add
 would. Row 0, step 1 and whole rows of the Slice are proved by the rule; n is the Slice's own length, min(end, rows).
@@ -32,7 +32,7 @@ def broadcast_inputs(ctx: GraphContext, m: Match, i: int, axis0: int, ids: list[
     """(each of ``ids`` expanded to the common shape, the position ids 0..n-1 expanded to it) for the sliced term
     ``i`` whose Slice lists axis 0 at ``axis0`` of its ends."""
     if ctx.opset < 13:
-        raise Refusal("opset", f"expanding the ids to their broadcast needs Max of int64 and Unsqueeze with axes as "
+        raise Refusal("opset", f"expanding the ids to their broadcast needs Unsqueeze with axes as "
                       f"an input (opset 13), and the model has opset {ctx.opset}")
     node, table = m.node(f"slice{i}"), m.value(f"table{i}")
     views = [v for v in m.fact(f"views{i}", ()) if not is_op(v, "Identity")]
@@ -60,7 +60,12 @@ def broadcast_inputs(ctx: GraphContext, m: Match, i: int, axis0: int, ids: list[
             raise Refusal("lookup", f"Expand '{node_name(views[0])}' of the position rows is not to a 3-D shape")
         wide = make("Cast", [target], _INT64, to=_INT64.value)
         shapes.append(make("Slice", [wide, const([0]), const([2])], _INT64))
-    common = make("Max", shapes, _INT64)
+    # the broadcast of the shapes, folded: a 1 takes the other's dim. Not their Max: an empty batch (0) broadcast
+    # with 1 is 0, where Max gave 1 and the kernel got ids of batch 0 and segment ids of batch 1 (red team, round
+    # 9). Where the shapes do not broadcast, the dim kept is one of them and an Expand to it fails, as the Add does
+    common = shapes[0]
+    for shape in shapes[1:]:
+        common = make("Where", [make("Equal", [common, const([1])], ir.DataType.BOOL), shape, common], _INT64)
     expanded = [make("Expand", [v, common], dtype_of(v)) for v in ids]
     positions = make("Range", [const(0), make("Squeeze", [n, const([0])], _INT64), const(1)], _INT64)
     row = make("Unsqueeze", [positions, const([0])], _INT64)

@@ -52,30 +52,45 @@ def _is_sibling(reader: ir.Node, m: Match, patterns: Sequence[Pattern], proven: 
     """Whether ``reader`` is a node of another norm of m's input: a match of ``patterns`` rooted at a value a few
     reader steps after it, with the same x, that covers it."""
     if reader not in proven:
-        proven[reader] = _find_sibling(reader, m, patterns)
+        x, y = m.value("x"), m.value("y")
+        if x is None:
+            proven[reader] = False
+        else:
+            # the roots found are kept for the pass: the other norms of x ask about the same readers
+            key = (reader, x, tuple(map(id, patterns)))
+            store = m.cache.siblings if m.cache is not None else {}
+            if key not in store:
+                store[key] = _sibling_roots(reader, x, patterns, m)
+            proven[reader] = any(root is not y for root in store[key])
     return proven[reader]
 
 
-def _find_sibling(reader: ir.Node, m: Match, patterns: Sequence[Pattern]) -> bool:
-    x, y = m.value("x"), m.value("y")
-    if x is None:
-        return False
+def _sibling_roots(reader: ir.Node, x: ir.Value, patterns: Sequence[Pattern], m: Match) -> tuple[ir.Value, ...]:
+    """The roots (two at most) of matches of ``patterns`` over ``x`` that cover ``reader``, a few reader steps after
+    it: two, so that a norm asking finds another than itself (its own output is never its sibling)."""
+    roots: list[ir.Value] = []
     frontier, seen = [reader], {reader}
     for _ in range(_REACH):
         following = []
         for node in frontier:
             for root in node.outputs:
-                if root is y:
-                    continue
-                for pattern in patterns:
-                    for k, found in enumerate(pattern.match(root, Match(cache=m.cache))):
-                        if k >= _MATCHES:
-                            break
-                        if found.value("x") is x and reader in found.nodes:
-                            return True
+                if _covers(root, reader, x, patterns, m):
+                    roots.append(root)
+                    if len(roots) == 2:
+                        return tuple(roots)
                 for user, _ in root.uses():
                     if user not in seen and len(seen) < _VISIT:
                         seen.add(user)
                         following.append(user)
         frontier = following
+    return tuple(roots)
+
+
+def _covers(root: ir.Value, reader: ir.Node, x: ir.Value, patterns: Sequence[Pattern], m: Match) -> bool:
+    for pattern in patterns:
+        for k, found in enumerate(pattern.match(root, Match(cache=m.cache))):
+            if k >= _MATCHES:
+                break
+            if found.value("x") is x and reader in found.nodes:
+                return True
     return False

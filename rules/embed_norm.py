@@ -34,7 +34,7 @@ from lnfuse.index.constants import is_static, static_value
 from lnfuse.match.pattern import Either, Match, Op, Pattern, Var, attr_value, noop_outputs, through_noops
 from lnfuse.match.rule import ABSENT, GraphContext, Refusal, Replacement, Rule, new_nodes
 from lnfuse.index.ops import is_op, onnx_op
-from lnfuse.index.quantized_tensors import PerTensor, as_stored, per_tensor, reencoded
+from lnfuse.index.quantized_tensors import PerTensor, as_stored, per_tensor, reencoded, scalable
 from ._broadcast_ids import broadcast_inputs
 from ._common import dtype_of, kernel_epsilon, node_name, read_outside, same_dim
 
@@ -559,7 +559,7 @@ def _entries_of(value: ir.Value, depth: int, seen: dict) -> list | None:
     node = value.producer()
     if node is None or depth > _SHAPE_DEPTH or node.domain not in ("", "ai.onnx"):
         return None
-    if onnx_op(node) in ("Cast", "Identity"):
+    if is_op(node, "Identity") or (is_op(node, "Cast") and _holds_any_dim(value)):
         return _entries(node.inputs[0], depth + 1, seen)
     if is_op(node, "Shape"):
         dims = _dims(node.inputs[0])
@@ -792,7 +792,8 @@ def _is_dim_of(value: ir.Value, dim, depth: int = 0) -> bool:
     node = value.producer()
     if node is None or depth > 4:
         return False
-    if onnx_op(node) in ("Cast", "Identity", "Unsqueeze", "Reshape", "Squeeze"):
+    if onnx_op(node) in ("Identity", "Unsqueeze", "Reshape", "Squeeze") or \
+            (is_op(node, "Cast") and _holds_any_dim(value)):
         return _is_dim_of(node.inputs[0], dim, depth + 1)
     if is_op(node, "Gather") and node.inputs[0].producer() is not None:
         shape_node, index = node.inputs[0].producer(), static_value(node.inputs[1])
@@ -820,6 +821,12 @@ _EXACT_UP_TO = {ir.DataType.INT8: 2**7 - 1, ir.DataType.UINT8: 2**8 - 1, ir.Data
                 ir.DataType.UINT16: 2**16 - 1, ir.DataType.INT32: 2**31 - 1, ir.DataType.UINT32: 2**32 - 1,
                 ir.DataType.INT64: 2**63 - 1, ir.DataType.UINT64: 2**64 - 1, ir.DataType.BFLOAT16: 2**8,
                 ir.DataType.FLOAT16: 2**11, ir.DataType.FLOAT: 2**24, ir.DataType.DOUBLE: 2**53}
+
+
+def _holds_any_dim(value: ir.Value) -> bool:
+    """Whether ``value``'s type holds every size a tensor has (int32 and wider): a dim Cast to uint8 or bool is
+    that dim only at the small sizes verification tries (uint8(257) is 1, a one-row Slice the Add broadcasts)."""
+    return _EXACT_UP_TO.get(dtype_of(value), 0) >= 2**31 - 1
 
 
 def _counts_exactly(value: ir.Value, rows) -> bool:
@@ -1044,7 +1051,7 @@ def _quantized_tables(ctx: GraphContext, tables: list[_Lookup], norm: tuple, rea
     floats = [lk.table for lk in tables if lk.quantized is None] + ([] if gamma_beta else [gamma, beta])
     if ctx.quantize_embeddings and ctx.path == "main" and \
             all(as_stored(q) for q in stored) and \
-            all(is_static(v) for v in floats):
+            all(is_static(v) and scalable(static_value(v)) for v in floats):
         return None, ["written over the dequantized tables for --quantize-embeddings, which turns it into "
                       "QEmbedLayerNormalization over the tables as they are"]
     raise Refusal("quantized", f"the tables are quantized and {' and '.join(float_parts)}: "

@@ -21,7 +21,7 @@ from lnfuse.report import Fused, Report, Unfused
 from lnfuse.match.rule import GraphContext
 from lnfuse.verification.whole_model import compare_models, random_inputs
 from lnfuse.index.ops import ORT_DOMAIN, is_op, op_key
-from lnfuse.index.quantized_tensors import as_stored, per_tensor, reencoded
+from lnfuse.index.quantized_tensors import as_stored, per_tensor, reencoded, scalable
 
 SCHEMES = ("uint8", "int8")
 
@@ -91,6 +91,12 @@ def _ineligible(node: ir.Node) -> str:
         return f"it computes in {node.outputs[0].dtype}; QEmbedLayerNormalization has a float32 kernel only"
     if any(v is not None and static_value(v) is None and _per_tensor(v) is None for v in inputs[2:7]):
         return "its tables, gamma or beta are not constants"
+    # a NaN or infinite entry has no scale: the range would be NaN (uint8 crashed taking its zero point) and int8
+    # would make every dequantized entry NaN, where the float model is NaN only where that row is read
+    for value in inputs[2:7]:
+        array = static_value(value) if value is not None and _per_tensor(value) is None else None
+        if array is not None and not scalable(array):
+            return f"'{value.name}' holds NaN or infinite values, which no per-tensor scale represents"
     return ""
 
 

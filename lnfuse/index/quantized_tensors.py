@@ -57,3 +57,9 @@ def reencoded(array: np.ndarray, wanted: ir.DataType) -> np.ndarray:
     uint8 q + 128 with zero point z + 128, the same (q - z) * scale."""
     shift = 128 if wanted == ir.DataType.UINT8 else -128
     return (array.astype(np.int16) + shift).astype(wanted.numpy())
+
+
+def scalable(array: np.ndarray) -> bool:
+    """Whether one per-tensor scale can quantize ``array`` (what ``--quantize-embeddings`` does to a float tensor):
+    every entry finite. A NaN or infinity makes the range, hence the scale, NaN or infinite."""
+    return array.dtype.kind != "f" or bool(np.isfinite(array).all())

@@ -23,7 +23,7 @@ import onnx_ir as ir
 from lnfuse.index.budget import MAX_ELEMENTS, SIZE_PRODUCING, elements
 from lnfuse.index.library_budget import Hidden, hide_oversized, restore
 from lnfuse.index.traversal import every_node, every_proto_node
-from lnfuse.index.ops import known_op, onnx_op
+from lnfuse.index.ops import is_op, known_op, onnx_op
 
 
 class TypesDisagree(Exception):
@@ -410,11 +410,23 @@ def ort_symbolic(proto: onnx.ModelProto, check: Callable[[], None] | None = None
             inference._update_output_from_vi()
             _rename_assumed_dims(inference.out_mp_, inference.assumed, inference.suggested_merge_)
             _restore_op_types(inference.out_mp_, disguised)
+            _negative_dims_unknown(inference.out_mp_.graph)
             return inference.out_mp_
     except Exception:  # noqa: BLE001 - many internal failure types; onnx's inference is the fallback
         return None
     finally:
         _restore_op_types(proto, disguised)
+
+
+def _negative_dims_unknown(graph: onnx.GraphProto) -> None:
+    """ORT's inference gives ``table[0:INT32_MIN]`` (rows 0..-1, none) the dim -1, which is no size: it is left
+    unknown, as a declared -1 is. Kept, verification drew inputs of that shape and crashed (red team, round 9)."""
+    for info in [*graph.value_info, *graph.output]:
+        for dim in info.type.tensor_type.shape.dim:
+            if dim.HasField("dim_value") and dim.dim_value < 0:
+                dim.Clear()
+    for body in _subgraphs(graph):
+        _negative_dims_unknown(body)
 
 
 def _undisguise(proto: onnx.ModelProto) -> dict[str, str]:
@@ -454,6 +466,11 @@ def _ort_symbolic_shape_infer():
     return sys.modules[name]
 
 
+#: the types a Cast may carry a shape's values through (``Recording._infer_Cast``)
+_HOLDS_SIZES = frozenset({onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT32,
+                          onnx.TensorProto.UINT64, onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
+
+
 def _recording_inference():
     class Recording(_ort_symbolic_shape_infer().SymbolicShapeInference):
         """ORT's inference, recording each node where it merged two different dims. Where they meet in a
@@ -472,6 +489,31 @@ def _recording_inference():
                 self.check()
             self.current = node
             return super()._onnx_infer_single_node(node)
+
+        def _infer_Cast(self, node):  # noqa: N802 - ORT's dispatch name
+            """ORT carries a shape's values through any Cast; only a type that holds every size keeps them: a
+            sequence length Cast to bool is 1, to uint8 it wraps at 256, to float16 it rounds past 2048. Carried,
+            Slice(table, 0, Cast(Cast(S, bool), int64)) was typed [S, H] where it is [1, H], and the Skip op written
+            over its Add failed where the Add broadcasts (red team, round 9). float32 keeps them (exact to 2**24
+            per dim): the resize chains of detectors Cast their sizes through it."""
+            to = _ort_symbolic_shape_infer().get_attribute(node, "to")
+            if to in _HOLDS_SIZES:
+                super()._infer_Cast(node)
+
+        def _infer_symbolic_compute_ops(self, node):
+            """ORT computes Equal of shape values with Python's ``==``, which compares sympy expressions as
+            written: S == 100 is False, and Where(S == 100, 1, S) was inferred S, where at S = 100 it is 1 (a
+            position Slice of one row, which the Add broadcasts and a Skip op written over it does not; red team,
+            round 9). Equal is kept only where sympy decides it for every size."""
+            if is_op(node, "Equal") and len(node.input) == 2:
+                values = self._get_int_or_float_values(node, broadcast=True)
+                if any(v is None for v in values):
+                    return
+                pairs = zip(*values) if any(isinstance(v, list) for v in values) else [values]
+                sympy = _ort_symbolic_shape_infer().sympy
+                if not all(_equal_decided(sympy.sympify(a), sympy.sympify(b)) for a, b in pairs):
+                    return
+            super()._infer_symbolic_compute_ops(node)
 
         def _infer_Resize(self, node):  # noqa: N802 - ORT's dispatch name
             """With ``plain_resize``, the dims ORT would get from ``simplify(floor(d * scale))`` or
@@ -545,6 +587,15 @@ def _recording_inference():
             return (2, len(name))
 
     return Recording
+
+
+def _equal_decided(a, b) -> bool:
+    """Whether ORT's ``a == b`` on two shape values holds for every size: sympy decides their difference, or one is
+    a negative number, which a size never is (torch's ``Where(shape == -1, 1, shape)`` before an Expand, whose
+    other side is an expression sympy cannot bound)."""
+    if (a - b).is_zero is not None:
+        return True
+    return any(side.is_number and side < 0 for side in (a, b))
 
 
 def _whole(value) -> bool:

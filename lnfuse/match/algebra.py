@@ -91,6 +91,9 @@ class Cache:
     expansions: dict = field(default_factory=dict)
     #: ``key`` answers, by value and depth
     keys: dict = field(default_factory=dict)
+    #: the norms found reading a shared statistic (``rules/_shared_stats``), by reader, input and patterns: each
+    #: norm of an input asks about every other's readers, which found anew each time is quadratic in their number
+    siblings: dict = field(default_factory=dict)
 
 
 def expand(value: ir.Value, cache: Cache | None = None) -> Expansion:

@@ -397,6 +397,9 @@ def _shared_context(old_reads: list[ir.Value], new_reads: list[ir.Value], produc
 def _concrete(shape: ir.Shape, sizes: dict[str, int], shrink: Mapping[int, int], unnamed: Iterator[int]) -> list[int]:
     """Sizes for ``shape``; each unnamed dim is a name of its own, numbered by ``unnamed`` (the same numbers when a
     region is planned again, so that a preset reaches them)."""
+    if any(isinstance(d, int) and d < 0 for d in shape):
+        # no tensor has it: a shape inference that computed one (ORT's for a Slice ending at INT32_MIN) is wrong there
+        raise Unverifiable(f"a shape {list(shape)} with a negative dim was inferred")
     return [shrink.get(d, d) if isinstance(d, int) else
             dim_size(str(d) if d is not None and d.value is not None else f"?{next(unnamed)}", sizes) for d in shape]
 
