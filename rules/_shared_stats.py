@@ -16,6 +16,7 @@ from typing import Sequence
 import onnx_ir as ir
 
 from lnfuse.match.pattern import Match, Pattern
+from lnfuse.match.rule import Replacement
 
 #: how far (reader steps) a sibling norm's output may lie from the node that reads the shared statistic: Keras'
 #: spelling takes three (gamma * inv -> x * k -> + beta' -> + ...)
@@ -94,3 +95,13 @@ def _covers(root: ir.Value, reader: ir.Node, x: ir.Value, patterns: Sequence[Pat
             if found.value("x") is x and reader in found.nodes:
                 return True
     return False
+
+
+def left_to_siblings(done: Replacement, shared: list[ir.Node], x: ir.Value) -> Replacement:
+    """``done`` recording the statistics ``leave_shared`` left in the graph (the engine counts them fused once
+    every norm reading them is), with a note saying so."""
+    done.shared = shared
+    if shared:
+        done.notes.append(f"{len(shared)} statistic node(s) another norm of '{x.name}' also reads are left to it "
+                          "(removed once nothing reads them)")
+    return done

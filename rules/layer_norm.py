@@ -18,7 +18,7 @@ from lnfuse.index.ops import is_op, onnx_op
 from ._common import (FLOATS, SUMS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent, dtype_of,
                       check_mean_scale, epsilon, kept_dims, mean_of_square, mean_over,
                       node_name, param_as, rank_of, read_outside, readers_outside, reduced_axes, square, trailing_axes)
-from ._shared_stats import leave_shared
+from ._shared_stats import leave_shared, left_to_siblings
 from ._norm import (Boundary, Layout, absorb_type_reads, affine, channels_last, check_inverse,
                     check_layouts, check_scales, expose, finish, first_placement, inverse_sqrt, inverse_std_readers,
                     layout_params, scale_input, stash_type, transposed, var_plus_eps)
@@ -201,12 +201,7 @@ class LayerNorm(Rule):
             for old in olds:
                 stat = _as_2d(ctx, fused.outputs[index]) if flattened else fused.outputs[index]
                 outputs[old] = expose(ctx, stat, old, stash)
-        done = finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
-        done.shared = shared
-        if shared:
-            done.notes.append(f"{len(shared)} statistic node(s) another norm of '{x.name}' also reads are left to "
-                              "it (removed once nothing reads them)")
-        return done
+        return left_to_siblings(finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps}), shared, x)
 
 
 def check_centring(m: Match) -> None:

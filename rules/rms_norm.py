@@ -14,7 +14,7 @@ from lnfuse.match.pattern import Match, Var, maybe_cast
 from lnfuse.match.rule import GraphContext, Refusal, Replacement, Rule
 from ._common import (FLOATS, agreed_axes, channel_axis, check_epsilon_fits, check_exponent,
                       check_mean_scale, epsilon, mean_of_square, node_name, trailing_axes)
-from ._shared_stats import leave_shared
+from ._shared_stats import leave_shared, left_to_siblings
 from ._norm import (Boundary, Layout, absorb_type_reads, affine, channels_last, check_inverse,
                     check_layouts, check_scales, expose, finish, first_placement, inverse_sqrt, inverse_std_readers,
                     layout_params, scale_input, stash_type, transposed, var_plus_eps)
@@ -105,11 +105,7 @@ class RmsNorm(Rule):
                 fused.outputs[1].type = ir.TensorType(ir.DataType.FLOAT)
                 outputs[old] = expose(ctx, fused.outputs[1], old, ir.DataType.FLOAT)
             done = finish(op_type, "", outputs, region, {"axis": -k, "epsilon": eps})
-        done.shared = shared
-        if shared:
-            done.notes.append(f"{len(shared)} statistic node(s) another norm of '{b.x.name}' also reads are left "
-                              "to it (removed once nothing reads them)")
-        return done
+        return left_to_siblings(done, shared, b.x)
 
 
 def _choose_op(ctx: GraphContext, dtype: ir.DataType) -> str:

@@ -16,18 +16,7 @@ from onnx import TensorProto
 
 import lnfuse
 from normgraphs import feeds_for, session
-from test_requantization_graph import _const, _norm, _out, _typed
-
-
-def _tail(nodes, outputs, inits=(), functions=(), opsets=()) -> onnx.ModelProto:
-    model = _norm()
-    model.graph.node.extend(nodes)
-    model.graph.initializer.extend(inits)
-    del model.graph.output[:]
-    model.graph.output.extend(outputs)
-    model.functions.extend(functions)
-    model.opset_import.extend(oh.make_opsetid(domain, version) for domain, version in opsets)
-    return model
+from test_requantization_graph import _const, _norm, _out, _tail, _typed
 
 
 def _cast_picked_by_caller() -> onnx.ModelProto:

@@ -34,8 +34,8 @@ def _const(name: str, array: np.ndarray) -> onnx.TensorProto:
     return onh.from_array(np.asarray(array), name)
 
 
-def _with_tail(nodes: list[onnx.NodeProto], outputs: list[onnx.ValueInfoProto], inits=(), functions=(),
-               opsets=(), inputs=()) -> onnx.ModelProto:
+def _tail(nodes: list[onnx.NodeProto], outputs: list[onnx.ValueInfoProto], inits=(), functions=(), opsets=(),
+          inputs=()) -> onnx.ModelProto:
     """The norm of ``normgraphs`` with ``nodes`` after it reading 'Y', and ``outputs`` as the graph's outputs."""
     model = _norm()
     model.graph.input.extend(inputs)
@@ -45,7 +45,12 @@ def _with_tail(nodes: list[onnx.NodeProto], outputs: list[onnx.ValueInfoProto], 
     model.graph.output.extend(outputs)
     model.functions.extend(functions)
     model.opset_import.extend(oh.make_opsetid(domain, version) for domain, version in opsets)
-    return _typed(model)
+    return model
+
+
+def _with_tail(nodes: list[onnx.NodeProto], outputs: list[onnx.ValueInfoProto], *parts, **named) -> onnx.ModelProto:
+    """``_tail``, its outputs typed as onnx infers them and the whole checked."""
+    return _typed(_tail(nodes, outputs, *parts, **named))
 
 
 def _typed(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -147,12 +152,8 @@ def _int8_accuracy_matmul() -> onnx.ModelProto:
                           bits=4, block_size=16, accuracy_level=4, name="mm_nbits")]
     inits = [_const("packed", rng.integers(0, 256, (4, 1, 8), dtype=np.uint8)),
              _const("scales", np.full(4, 0.1, np.float32))]
-    model = _norm()
-    model.graph.node.extend(nodes)
-    model.graph.initializer.extend(inits)
-    del model.graph.output[:]
-    model.graph.output.append(oh.make_tensor_value_info("mm", TensorProto.FLOAT, [3, 2, 4]))
-    model.opset_import.append(oh.make_opsetid("com.microsoft", 1))
+    model = _tail(nodes, [oh.make_tensor_value_info("mm", TensorProto.FLOAT, [3, 2, 4])], inits,
+                  opsets=[("com.microsoft", 1)])
     session(model)  # ORT runs it: a contrib op the checker does not know
     return model
 
@@ -232,7 +233,8 @@ def test_a_loop_state_quantized_in_the_body_is_reached():
         [oh.make_node("Identity", ["cond_in"], ["cond_out"]),
          oh.make_node("QuantizeLinear", ["state", "s", "z"], ["state_q"], name="body_quant"),
          oh.make_node("DequantizeLinear", ["state_q", "s", "z"], ["state_out"])], "body",
-        [oh.make_tensor_value_info("i", TensorProto.INT64, []), oh.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+        [oh.make_tensor_value_info("i", TensorProto.INT64, []),
+         oh.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
          oh.make_tensor_value_info("state", TensorProto.FLOAT, [3, 2, H])],
         [oh.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
          oh.make_tensor_value_info("state_out", TensorProto.FLOAT, [3, 2, H])])
@@ -267,12 +269,8 @@ def test_a_rounding_to_whole_numbers_is_a_quantizer(make, rounding):
 def test_an_op_of_another_domain_writing_int8_is_a_quantizer():
     """A quantizer lnfuse has never heard of (a vendor's QuantizeLinear in its own domain, typed int8 by the model)."""
     nodes = [oh.make_node("ExtendedQuantizeLinear", ["Y", "s", "z"], ["yq"], domain="com.vendor", name="vendor_quant")]
-    model = _norm()
-    model.graph.node.extend(nodes)
-    model.graph.initializer.extend(SCALE)
-    del model.graph.output[:]
-    model.graph.output.append(oh.make_tensor_value_info("yq", TensorProto.INT8, [3, 2, H]))
-    model.opset_import.append(oh.make_opsetid("com.vendor", 1))
+    model = _tail(nodes, [oh.make_tensor_value_info("yq", TensorProto.INT8, [3, 2, H])], SCALE,
+                  opsets=[("com.vendor", 1)])
     result = lnfuse.fuse(model, verify=False)  # ORT cannot run the vendor's op: the rule is the graph's alone
     assert _norms(result.model) == 0
     assert any(u.check == "requantization" and "'vendor_quant'" in u.reason for u in result.report.unfused)
