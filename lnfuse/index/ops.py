@@ -51,17 +51,23 @@ def ort_op(node: _Named | None) -> str | None:
     """The name of the ONNX Runtime contrib op (domain "com.microsoft") ``node`` is, or None. A name ONNX Runtime
     registers no op for in that domain (``com.microsoft::Unsqueeze``) is no contrib op: ONNX Runtime runs the
     model-local function of that name, which may compute anything."""
-    if node is None or node.domain != ORT_DOMAIN or node.op_type not in _contrib_ops():
+    if node is None or node.domain != ORT_DOMAIN or (ORT_DOMAIN, node.op_type) not in ort_schemas():
         return None
     return node.op_type
 
 
 @functools.cache
-def _contrib_ops() -> frozenset[str]:
-    """The op names ONNX Runtime registers in "com.microsoft" (read once: the registry is fixed per install)."""
+def ort_schemas() -> dict[tuple[str, str], object]:
+    """ONNX Runtime's registered op schemas by (domain, name), the newest version of each (read once: the registry
+    is fixed per install)."""
     from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
 
-    return frozenset(schema.name for schema in get_all_operator_schema() if schema.domain == ORT_DOMAIN)
+    found: dict[tuple[str, str], object] = {}
+    for schema in get_all_operator_schema():
+        key = (schema.domain, schema.name)
+        if key not in found or schema.since_version > found[key].since_version:
+            found[key] = schema
+    return found
 
 
 def known_op(node: _Named | None) -> str | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from lnfuse.index.ops import ONNX_DOMAINS, is_op, known_op, onnx_op, op_key, ort_op
+from lnfuse.index.ops import ONNX_DOMAINS, is_op, known_op, onnx_op, op_key, ort_op, ort_schemas
 from lnfuse.index.traversal import every_node, subgraphs
 
 #: element types a quantizer writes: integers of 16 bits or fewer and the 8-bit floats
@@ -128,11 +128,9 @@ def _output_types(domain: str, name: str) -> tuple[frozenset[str] | None, ...]:
         outputs = [o.type_str for o in schema.outputs]
         constraints = {t.type_param_str: t.allowed_type_strs for t in schema.type_constraints}
     except onnx.defs.SchemaError:
-        from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
-        found = [s for s in get_all_operator_schema() if s.domain == domain and s.name == name]
-        if not found:
+        schema = ort_schemas().get((domain, name))
+        if schema is None:
             return ()
-        schema = max(found, key=lambda s: s.since_version)
         outputs = [o.typeStr for o in schema.outputs]
         constraints = {t.type_param_str: t.allowed_type_strs for t in schema.type_constraints}
     return tuple(frozenset(constraints.get(t, [t])) for t in outputs)

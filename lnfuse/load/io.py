@@ -26,7 +26,7 @@ from lnfuse.load.repair import declare_output_shapes, repair
 from lnfuse.index.demand import PendingShapes, infer_shapes_deferred
 from lnfuse.index.shapes import TypesDisagree, infer_function_types, infer_shapes, type_error
 from lnfuse.index.traversal import every_graph, every_proto_node
-from lnfuse.index.ops import onnx_op
+from lnfuse.index.ops import onnx_op, ort_schemas
 
 
 @dataclass
@@ -209,9 +209,7 @@ def _ort_only_ops(proto: onnx.ModelProto) -> set[str]:
             missing.add(op)
     if not missing:
         return missing  # listing ORT's schemas costs 0.1 s: only when there is something to look up
-    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
-
-    ort = {s.name for s in get_all_operator_schema() if s.domain == ""}
+    ort = {name for domain, name in ort_schemas() if domain == ""}
     return missing if missing <= ort else set()
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import onnx
 
 from lnfuse.errors import InputError
-from lnfuse.index.ops import is_op
+from lnfuse.index.ops import is_op, ort_schemas
 
 
 def repair(proto: onnx.ModelProto, where: str) -> None:
@@ -216,11 +216,9 @@ def _declare_missing_domains(proto: onnx.ModelProto, graphs: list[onnx.GraphProt
 
 
 def _runtime_domains() -> dict[str, int]:
-    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
-
     latest: dict[str, int] = {}
-    for schema in get_all_operator_schema():
-        latest[schema.domain] = max(latest.get(schema.domain, 1), schema.since_version)
+    for (domain, _), schema in ort_schemas().items():
+        latest[domain] = max(latest.get(domain, 1), schema.since_version)
     return latest
 
 
