@@ -67,9 +67,12 @@ def serve(conn: Connection, max_memory: int | None) -> None:
     # collection (nor touch its pages, which stay shared with the server)
     gc.freeze()
     # the suppression outermost: a SIGTERM that lands while the handler is being put back is still suppressed,
-    # and one after that ends the process by default, with no traceback
-    with contextlib.suppress(KeyboardInterrupt), interrupts.as_keyboard_interrupt((signal.SIGTERM,)), \
-            terminal.library_messages():  # a library's warning or log record may quote a model's names
+    # and one after that ends the process by default, with no traceback. The handler goes before the library
+    # messages' own clean-up: a SIGTERM raised inside a callback that clean-up sets off (logging's weakref to the
+    # handler it removes) cannot be suppressed, and Python prints it as a traceback
+    with contextlib.suppress(KeyboardInterrupt), \
+            terminal.library_messages(), \
+            interrupts.as_keyboard_interrupt((signal.SIGTERM,)):  # a library's warning may quote a model's names
         _serve(conn, max_memory)
 
 
