@@ -244,12 +244,14 @@ class _Region:
     def _dtype(self, value: ir.Value) -> ir.DataType:
         """A region input's dtype; an input typed by nothing (a loop body's carried value when inference could
         not follow the loop) takes the dtype of the fused op's scale, which the op requires it to share."""
-        if value.dtype is not None:
-            return value.dtype
-        scale = _scale(self.rep)
-        if scale is None or scale.dtype is None:
+        dtype = value.dtype
+        if dtype is None:
+            scale = _scale(self.rep)
+            dtype = scale.dtype if scale is not None else None
+        # UNDEFINED (0) is what a tensor of no element type declares: no input of that type can be made
+        if dtype is None or dtype == ir.DataType.UNDEFINED:
             raise Unverifiable(f"the dtype of '{value.name}' is unknown")
-        return scale.dtype
+        return dtype
 
     def _feeds(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Random inputs of concrete shapes within ``BUDGET``: first the shapes the graph gives (symbolic dims
